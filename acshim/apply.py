@@ -1,0 +1,59 @@
+"""Apply a policy to a model: its chosen submodules become checkpointed regions in place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .options import RegionOptions
+from .policy import ModuleTarget, PolicyLike, SequentialTarget, as_policy
+from .wrap import checkpoint_module, checkpoint_sequential_groups, checkpointed_forward_of, uncheckpoint_module
+
+_OPTION_FIELDS = set(RegionOptions.__dataclass_fields__)
+
+
+def build_options(options: RegionOptions | None = None, **changes: Any) -> RegionOptions:
+    """``options`` (or the defaults) with ``changes`` applied; unknown names are rejected."""
+    unknown = sorted(set(changes) - _OPTION_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown checkpointing option(s) {', '.join(unknown)}; known: {', '.join(sorted(_OPTION_FIELDS))}")
+    base = options or RegionOptions()
+    return base.replace(**changes) if changes else base
+
+
+def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options: RegionOptions | None = None,
+                        **option_changes: Any) -> list[str]:
+    """Turn the submodules ``policy`` selects into checkpointed regions, in place.
+
+    ``policy``: a ``Policy`` (``Blocks``, ``ByClass``, ``ByName``, ``Predicate``, ``EveryNth``,
+    ``SequentialStrategy``) or a shorthand (None = the repeated blocks, a class, a name glob, a
+    predicate). Remaining keywords are ``RegionOptions`` fields (``reentrant``,
+    ``preserve_rng_state``…). Module objects, parameters and ``state_dict`` keys are unchanged.
+    Idempotent: applying again re-targets without nesting. Returns the names made into regions.
+
+    >>> acshim.apply_checkpointing(model)                       # every transformer block
+    >>> acshim.apply_checkpointing(model, acshim.EveryNth(2))   # every other block
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}")
+    region_options = build_options(options, **option_changes)
+    targets = as_policy(policy).select(model)
+    names = []
+    for target in targets:
+        if isinstance(target, SequentialTarget):
+            checkpoint_sequential_groups(target.module, region_options, target.groups, target.pack_args_as_tuple)
+        elif isinstance(target, ModuleTarget):
+            checkpoint_module(target.module, region_options)
+        names.append(target.name)
+    return names
+
+
+def remove_checkpointing(model: nn.Module) -> list[str]:
+    """Undo ``apply_checkpointing`` everywhere in ``model``; returns the names restored."""
+    return [name for name, module in model.named_modules() if uncheckpoint_module(module)]
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Names of the submodules of ``model`` that are checkpointed regions."""
+    return [name for name, module in model.named_modules() if checkpointed_forward_of(module) is not None]

@@ -1,0 +1,39 @@
+"""Find a model's repeated blocks (the transformer layers) without per-architecture tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+
+def find_blocks(model: nn.Module, class_names: Iterable[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """Return ``(qualified name, module)`` for the model's repeated blocks, outermost first.
+
+    With ``class_names`` (e.g. a Hugging Face model's ``_no_split_modules``), every module of one of
+    those classes that is not inside another match. Otherwise the children of the largest
+    ``nn.ModuleList`` / ``nn.Sequential`` whose children all share one class (at least two of them);
+    ties go to the container met first. Returns ``[]`` when nothing repeats.
+    """
+    if class_names is not None:
+        wanted = set(class_names)
+        found: list[tuple[str, nn.Module]] = []
+        for name, module in model.named_modules():
+            if module is model or type(module).__name__ not in wanted:
+                continue
+            if any(name.startswith(outer + ".") for outer, _ in found):
+                continue
+            found.append((name, module))
+        return found
+
+    best: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        if len(children) > len(best):
+            prefix = f"{name}." if name else ""
+            best = [(prefix + child_name, child) for child_name, child in children]
+    return best

@@ -1,0 +1,64 @@
+"""What a checkpointed region does: the engine's one options object, shared by every facade."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+DETERMINISM_CHECKS = ("default", "none")
+
+
+class RegionObserver(Protocol):
+    """Receives a region's lifecycle events (profiling, synchronisation, prefetch scheduling).
+
+    Every method is optional; ``region`` is the callable being checkpointed.
+    """
+
+    def forward_start(self, region: Callable[..., Any]) -> None: ...
+    def forward_end(self, region: Callable[..., Any]) -> None: ...
+    def recompute_start(self, region: Callable[..., Any]) -> None: ...
+    def recompute_end(self, region: Callable[..., Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class RegionOptions:
+    """How one region is checkpointed. Every facade's flags translate into these fields."""
+
+    reentrant: bool = False
+    """Recompute inside an ``autograd.Function`` backward (upstream "reentrant" semantics) instead
+    of on first unpack of a saved tensor. Non-reentrant works with ``torch.autograd.grad``, kwargs
+    and inputs that do not require grad; reentrant matches older upstream behaviour."""
+
+    preserve_rng_state: bool = True
+    """Save CPU, device and tracker RNG states in forward and restore them for the recompute, so
+    dropout draws the same masks. Turning it off saves a little time and changes gradients."""
+
+    determinism_check: str = "default"
+    """Non-reentrant only: ``"default"`` compares shapes/dtypes/devices of recomputed tensors."""
+
+    debug: bool = False
+    """Non-reentrant only: record operator traces to explain a determinism mismatch."""
+
+    early_stop: bool = True
+    """Non-reentrant only: stop the recompute once every saved tensor has been rebuilt."""
+
+    context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None = None
+    """Non-reentrant only: a pair of contexts for forward and recompute, e.g. a selective-op policy
+    from ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
+
+    saved_tensors_scope: Callable[[], AbstractContextManager[Any]] | None = None
+    """A ``saved_tensors_hooks`` context entered around the region call: it sees exactly what the
+    region keeps for backward (its boundary inputs) and decides where those tensors live (the
+    storage tier's boundary offload)."""
+
+    observer: RegionObserver | None = field(default=None, compare=False)
+    """Lifecycle callbacks (see ``RegionObserver``)."""
+
+    def replace(self, **changes: Any) -> RegionOptions:
+        """A copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+
+DEFAULT_OPTIONS = RegionOptions()

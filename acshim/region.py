@@ -1,0 +1,253 @@
+"""The engine's region: run a callable so that its activations are recomputed in backward.
+
+Non-reentrant regions stand on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; the
+callable is wrapped so the region also restores tracker RNG streams, keeps BatchNorm statistics
+updated once, and exposes ``is_checkpointing()`` / ``is_recomputing()``. Reentrant regions use a
+small ``autograd.Function`` of our own because torch's reentrant ``CheckpointFunction`` ignores
+tensors nested in containers, drops non-tensor outputs' structure and gives parameters no gradient
+when no input requires grad; ours handles all three (flattening with ``acshim.structures``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from . import rng, structures
+from .batchnorm import running_stats_frozen
+from .options import DEFAULT_OPTIONS, RegionOptions
+from .state import _flag, enable_checkpointing, enable_recomputing, state
+
+_TORCH_CHECKPOINT_PARAMS = inspect.signature(torch_checkpoint.checkpoint).parameters
+TORCH_HAS_EARLY_STOP = "early_stop" in _TORCH_CHECKPOINT_PARAMS
+
+REENTRANT_GRAD_ERROR = (
+    "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or passing an "
+    "`inputs` parameter to .backward(). To resolve this error, you can either set "
+    "use_reentrant=False, or call .backward() without passing the `inputs` argument."
+)
+
+
+def run_region(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    options: RegionOptions = DEFAULT_OPTIONS,
+) -> Any:
+    """Call ``function(*args, **kwargs)`` as one checkpointed region and return its output.
+
+    Nothing inside the region is kept for backward except its inputs; backward recomputes it. With
+    grad disabled, or inside ``disable_checkpointing()``, this is a plain call.
+    """
+    kwargs = kwargs or {}
+    if state.is_checkpointing_disabled or not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    scope = options.saved_tensors_scope() if options.saved_tensors_scope else contextlib.nullcontext()
+    with scope:
+        if options.reentrant:
+            return _run_reentrant(function, args, kwargs, options)
+        return _run_non_reentrant(function, args, kwargs, options)
+
+
+# --------------------------------------------------------------------------------------------------
+# non-reentrant: torch.utils.checkpoint does the recompute; _RegionCall adds what it lacks
+
+
+class _RegionCall:
+    """The callable handed to torch's checkpoint: first call is the forward, later ones recompute."""
+
+    def __init__(self, function: Callable[..., Any], options: RegionOptions) -> None:
+        self.function = function
+        self.options = options
+        self.calls = 0
+        self.tracker_states = rng.capture_tracker_states() if options.preserve_rng_state else []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        observer = self.options.observer
+        if self.calls == 1:
+            _notify(observer, "forward_start", self.function)
+            with enable_checkpointing():
+                output = self.function(*args, **kwargs)
+            _notify(observer, "forward_end", self.function)
+            return output
+        with contextlib.ExitStack() as stack:
+            if self.tracker_states:
+                stack.enter_context(rng.restored_tracker_states(self.tracker_states))
+            stack.enter_context(_flag("is_checkpointing", False))
+            stack.enter_context(enable_recomputing())
+            stack.enter_context(running_stats_frozen())
+            _notify(observer, "recompute_start", self.function)
+            output = self.function(*args, **kwargs)
+        _notify(observer, "recompute_end", self.function)
+        return output
+
+
+def _run_non_reentrant(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RegionOptions
+) -> Any:
+    extra: dict[str, Any] = {}
+    early_stop_context: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if TORCH_HAS_EARLY_STOP:
+        extra["early_stop"] = options.early_stop
+    elif not options.early_stop:
+        early_stop_context = torch_checkpoint.set_checkpoint_early_stop(False)
+    with early_stop_context:
+        return torch_checkpoint.checkpoint(
+            _RegionCall(function, options),
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=options.preserve_rng_state,
+            context_fn=options.context_fn or torch_checkpoint.noop_context_fn,
+            determinism_check=options.determinism_check,
+            debug=options.debug,
+            **extra,
+            **kwargs,
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# reentrant: our own autograd.Function
+
+
+class _ReentrantSpec:
+    """What the Function needs besides the input tensors, and what the caller needs afterwards."""
+
+    __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "rebuild_output",
+                 "output_leaves", "output_positions")
+
+    def __init__(self, function: Callable[..., Any], options: RegionOptions, leaves: list[Any],
+                 rebuild_inputs: structures.Rebuild, positions: list[int]) -> None:
+        self.function = function
+        self.options = options
+        self.leaves = leaves
+        self.rebuild_inputs = rebuild_inputs
+        self.positions = positions
+        self.rebuild_output: structures.Rebuild | None = None
+        self.output_leaves: list[Any] = []
+        self.output_positions: list[int] = []
+
+    def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.positions, tensors):
+            leaves[position] = tensor
+        args, kwargs = self.rebuild_inputs(leaves)
+        return self.function(*args, **kwargs)
+
+
+def _device_type_of(tensors: tuple[torch.Tensor, ...]) -> str:
+    for tensor in tensors:
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device.type
+    return rng.default_device_type()
+
+
+def _autocast_contexts(device_type: str) -> list[dict[str, Any]]:
+    contexts = []
+    for kind in dict.fromkeys((device_type, "cpu")):
+        contexts.append({
+            "device_type": kind,
+            "enabled": torch.is_autocast_enabled(kind),
+            "dtype": torch.get_autocast_dtype(kind),
+            "cache_enabled": torch.is_autocast_cache_enabled(),
+        })
+    return contexts
+
+
+class _ReentrantRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, spec: _ReentrantSpec, dummy: torch.Tensor | None, *tensors: torch.Tensor) -> Any:
+        options = spec.options
+        ctx.spec = spec
+        ctx.device_type = _device_type_of(tensors)
+        if options.preserve_rng_state:
+            ctx.cpu_rng_state = torch.get_rng_state()
+            ctx.devices, ctx.device_states = [], []
+            if ctx.device_type != "cpu" and torch_checkpoint._get_device_module(ctx.device_type)._initialized:
+                ctx.devices, ctx.device_states = torch_checkpoint.get_device_states(*tensors)
+            ctx.tracker_states = rng.capture_tracker_states()
+        ctx.autocast = _autocast_contexts(ctx.device_type)
+        ctx.save_for_backward(*tensors)
+
+        _notify(options.observer, "forward_start", spec.function)
+        with enable_checkpointing():
+            output = spec.call(tensors)
+        _notify(options.observer, "forward_end", spec.function)
+
+        leaves, spec.rebuild_output = structures.flatten(output)
+        spec.output_positions = structures.tensor_positions(leaves)
+        spec.output_leaves = leaves
+        outputs = tuple(leaves[i] for i in spec.output_positions)
+        ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
+        return outputs if outputs else torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(REENTRANT_GRAD_ERROR)
+        spec: _ReentrantSpec = ctx.spec
+        options = spec.options
+        saved = ctx.saved_tensors
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+        rng_devices = getattr(ctx, "devices", [])
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(
+                devices=rng_devices, enabled=options.preserve_rng_state, device_type=ctx.device_type))
+            if options.preserve_rng_state:
+                torch.set_rng_state(ctx.cpu_rng_state)
+                if rng_devices:
+                    torch_checkpoint.set_device_states(rng_devices, ctx.device_states, device_type=ctx.device_type)
+                stack.enter_context(rng.restored_tracker_states(ctx.tracker_states))
+            for autocast_kwargs in ctx.autocast:
+                stack.enter_context(torch.autocast(**autocast_kwargs))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(enable_recomputing())
+            stack.enter_context(running_stats_frozen())
+            _notify(options.observer, "recompute_start", spec.function)
+            output = spec.call(inputs)
+        _notify(options.observer, "recompute_end", spec.function)
+
+        leaves, _ = structures.flatten(output)
+        outputs = [leaves[i] for i in structures.tensor_positions(leaves)]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del ctx.spec
+        input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
+        return (None, None, *input_grads)
+
+
+def _run_reentrant(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RegionOptions
+) -> Any:
+    leaves, rebuild = structures.flatten((args, kwargs))
+    positions = structures.tensor_positions(leaves)
+    tensors = tuple(leaves[i] for i in positions)
+    # The spec keeps only non-tensor leaves: input tensors live in ctx.save_for_backward, where a
+    # storage tier's saved_tensors_hooks can move them.
+    opaque = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    spec = _ReentrantSpec(function, options, opaque, rebuild, positions)
+    # Without an input that requires grad, autograd would never call backward and the region's
+    # parameters would get no gradient (torch's reentrant defect); an empty leaf that requires grad
+    # keeps the region in the graph, as FairScale does.
+    dummy = None if any(t.requires_grad for t in tensors) else torch.empty(0, requires_grad=True)
+    results = _ReentrantRegion.apply(spec, dummy, *tensors)
+    out_leaves, spec.output_leaves = spec.output_leaves, []  # the ctx must not keep outputs alive
+    if spec.output_positions:
+        if isinstance(results, torch.Tensor):
+            results = (results,)
+        for position, tensor in zip(spec.output_positions, results):
+            out_leaves[position] = tensor
+    return spec.rebuild_output(out_leaves)
+
+
+def _notify(observer: Any, event: str, region: Callable[..., Any]) -> None:
+    if observer is not None:
+        callback = getattr(observer, event, None)
+        if callback is not None:
+            callback(region)

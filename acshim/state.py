@@ -1,0 +1,61 @@
+"""Per-thread checkpointing state: is a region running its first forward, or recomputing?
+
+Mirrors FairScale's ``ThreadLocalCheckpointingState`` (fairscale/nn/checkpoint/
+checkpoint_activations.py): one small thread-local dataclass, and context managers that restore
+the previous value on exit so they nest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class _CheckpointingState(threading.local):
+    is_checkpointing: bool = False
+    is_recomputing: bool = False
+    is_checkpointing_disabled: bool = False
+
+
+state = _CheckpointingState()
+
+
+def is_checkpointing() -> bool:
+    """True while a checkpointed region runs its first (forward) pass on this thread."""
+    return state.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed region is being recomputed for backward on this thread.
+
+    Use it to skip side effects (counters, running statistics, queue pushes) that must happen once.
+    """
+    return state.is_recomputing
+
+
+@contextlib.contextmanager
+def _flag(name: str, value: bool) -> Iterator[None]:
+    previous = getattr(state, name)
+    setattr(state, name, value)
+    try:
+        yield
+    finally:
+        setattr(state, name, previous)
+
+
+def disable_checkpointing() -> contextlib.AbstractContextManager[None]:
+    """Inside this context every region runs as a plain call: nothing is recomputed."""
+    return _flag("is_checkpointing_disabled", True)
+
+
+def enable_checkpointing() -> contextlib.AbstractContextManager[None]:
+    """Mark the current thread as running a region's first forward (restores the old value on exit)."""
+    return _flag("is_checkpointing", True)
+
+
+def enable_recomputing() -> contextlib.AbstractContextManager[None]:
+    """Mark the current thread as recomputing a region (restores the old value on exit)."""
+    return _flag("is_recomputing", True)
