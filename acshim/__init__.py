@@ -16,10 +16,30 @@ from .wrap import checkpoint_module, uncheckpoint_module
 
 __version__ = "0.1.0"
 
+# Names provided by subpackages that import heavier dependencies, loaded on first access.
+_LAZY = {
+    "install": ("acshim.patching", "install"),
+    "uninstall": ("acshim.patching", "uninstall"),
+    "patch_transformers": ("acshim.hf", "patch_transformers"),
+    "unpatch_transformers": ("acshim.hf", "unpatch_transformers"),
+    "offload": ("acshim.storage", "offload"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'acshim' has no attribute {name!r}")
+
 __all__ = [
     "Blocks", "ByClass", "ByName", "EveryNth", "MemoryReport", "Policy", "Predicate", "RNGStatesTracker",
     "RegionOptions", "SequentialStrategy", "apply_checkpointing", "build_options", "checkpoint",
     "checkpoint_module", "checkpointed_modules", "disable_checkpointing", "find_blocks", "get_rng_tracker",
     "is_checkpointing", "is_recomputing", "measure_memory", "remove_checkpointing", "run_region",
-    "uncheckpoint_module",
+    "uncheckpoint_module", "install", "uninstall", "patch_transformers", "unpatch_transformers", "offload",
 ]

@@ -26,14 +26,21 @@ def find_blocks(model: nn.Module, class_names: Iterable[str] | None = None) -> l
             found.append((name, module))
         return found
 
-    best: list[tuple[str, nn.Module]] = []
+    # Homogeneous containers grouped by block class; the class with the most blocks wins, and all
+    # of its containers are returned (T5 keeps encoder and decoder blocks in two lists).
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
             continue
         children = list(module.named_children())
-        if len({type(child) for _, child in children}) != 1:
+        kinds = {type(child) for _, child in children}
+        if len(kinds) != 1:
             continue
-        if len(children) > len(best):
-            prefix = f"{name}." if name else ""
-            best = [(prefix + child_name, child) for child_name, child in children]
-    return best
+        prefix = f"{name}." if name else ""
+        found = by_class.setdefault(kinds.pop(), [])
+        if any(prefix.startswith(outer + ".") for outer, _ in found):
+            continue
+        found.extend((prefix + child_name, child) for child_name, child in children)
+    if not by_class:
+        return []
+    return max(by_class.values(), key=len)

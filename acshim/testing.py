@@ -1,0 +1,160 @@
+"""Helpers for proving checkpointing exact: tiny models with random weights, one training step,
+and bitwise comparison of gradients and buffers. Used by acshim's own tests and benchmarks; handy
+for users checking their own models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .measure import default_loss
+
+
+def seeded(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    """Build ``factory()`` after ``torch.manual_seed(seed)``: the same weights every time."""
+    torch.manual_seed(seed)
+    return factory()
+
+
+def train_step(model: nn.Module, inputs: Any, *, seed: int = 1,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """One forward/backward of ``model`` on ``inputs`` (tensor, tuple or kwargs dict) under
+    ``torch.manual_seed(seed)`` (so dropout masks repeat). Returns the step's state: every
+    parameter's gradient (``grad:<name>``), every buffer (``buffer:<name>``) and ``loss``."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if isinstance(inputs, dict):
+        output = model(**inputs)
+    elif isinstance(inputs, (tuple, list)):
+        output = model(*inputs)
+    else:
+        output = model(inputs)
+    loss = (loss_fn or default_loss)(output)
+    loss.backward()
+    result = {"loss": loss.detach().clone()}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            result[f"grad:{name}"] = param.grad.detach().clone()
+    for name, buffer in model.named_buffers():
+        result[f"buffer:{name}"] = buffer.detach().clone()
+    return result
+
+
+def assert_bitwise_equal(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    """Fail unless both step states have the same keys and bitwise-identical tensors."""
+    missing = sorted(set(expected) ^ set(actual))
+    if missing:
+        raise AssertionError(f"step states differ in entries: {missing[:10]}")
+    differing = [k for k in expected if not torch.equal(expected[k], actual[k])]
+    if differing:
+        worst = max(differing, key=lambda k: (expected[k].float() - actual[k].float()).abs().max().item())
+        delta = (expected[worst].float() - actual[worst].float()).abs().max().item()
+        raise AssertionError(f"{len(differing)} tensors differ, e.g. {differing[:5]}; largest |diff| {delta:g} in {worst}")
+    if not any(k.startswith("grad:") for k in expected):
+        raise AssertionError("the step produced no parameter gradients")
+
+
+# --------------------------------------------------------------------------------------------------
+# tiny models (random weights, dropout on)
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int = 64, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+def tiny_sequential(depth: int = 4, width: int = 64) -> nn.Sequential:
+    """An ``nn.Sequential`` of residual MLP blocks with dropout."""
+    return nn.Sequential(*[MLPBlock(width) for _ in range(depth)])
+
+
+class ConvBNNet(nn.Module):
+    """A small conv net with BatchNorm and dropout, blocks in ``self.blocks``."""
+
+    def __init__(self, channels: int = 8, depth: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+                          nn.Dropout(0.1))
+            for _ in range(depth))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def hf_config(arch: str, **overrides: Any) -> Any:
+    """A tiny Hugging Face config for ``arch`` in gpt2, llama, mistral, qwen2, bert, t5, vit."""
+    import transformers
+
+    common = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    table: dict[str, Callable[[], Any]] = {
+        "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                                bos_token_id=0, eos_token_id=1, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
+        "llama": lambda: transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                  max_position_embeddings=64, attention_dropout=0.1),
+        "mistral": lambda: transformers.MistralConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                      max_position_embeddings=64, attention_dropout=0.1),
+        "qwen2": lambda: transformers.Qwen2Config(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                  max_position_embeddings=64, attention_dropout=0.1),
+        "bert": lambda: transformers.BertConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                                                **common),
+        "t5": lambda: transformers.T5Config(num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, d_kv=16,
+                                            num_heads=4, vocab_size=128, dropout_rate=0.1,
+                                            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+        "vit": lambda: transformers.ViTConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                              num_attention_heads=4, image_size=32, patch_size=8, **common),
+    }
+    if arch not in table:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {sorted(table)}")
+    config = table[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def hf_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny randomly initialised Hugging Face model (LM head / masked LM / seq2seq / image
+    classifier) for ``arch``; nothing is downloaded."""
+    import transformers
+
+    config = hf_config(arch, **overrides)
+    classes = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+               "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+               "bert": transformers.BertForMaskedLM, "t5": transformers.T5ForConditionalGeneration,
+               "vit": transformers.ViTForImageClassification}
+    torch.manual_seed(seed)
+    model = classes[arch](config)
+    model.train()
+    return model
+
+
+def hf_inputs(arch: str, batch: int = 2, seq: int = 16, seed: int = 2) -> dict[str, torch.Tensor]:
+    """Keyword inputs with labels for ``hf_model(arch)``, so ``output.loss`` is set."""
+    generator = torch.Generator().manual_seed(seed)
+    if arch == "vit":
+        return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=generator),
+                "labels": torch.randint(0, 2, (batch,), generator=generator)}
+    ids = torch.randint(0, 128, (batch, seq), generator=generator)
+    if arch == "t5":
+        return {"input_ids": ids, "labels": torch.randint(0, 128, (batch, seq // 2), generator=generator)}
+    return {"input_ids": ids, "labels": ids.clone()}
