@@ -8,7 +8,12 @@ from torch import nn
 
 from .options import RegionOptions
 from .policy import ModuleTarget, PolicyLike, SequentialTarget, as_policy
-from .wrap import checkpoint_module, checkpoint_sequential_groups, checkpointed_forward_of, uncheckpoint_module
+from .wrap import (
+    checkpoint_module,
+    checkpoint_sequential_groups,
+    checkpointed_forward_of,
+    uncheckpoint_module,
+)
 
 _OPTION_FIELDS = set(RegionOptions.__dataclass_fields__)
 

@@ -13,7 +13,7 @@ import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from torch import nn
 
@@ -34,7 +34,7 @@ class SequentialTarget:
     pack_args_as_tuple: bool = False
 
 
-Target = Union[ModuleTarget, SequentialTarget]
+Target = ModuleTarget | SequentialTarget
 
 
 class Policy:
@@ -181,7 +181,7 @@ class SequentialStrategy(Policy):
         return [SequentialTarget(self.target, module, groups, self.pack_args_as_tuple)]
 
 
-PolicyLike = Union[Policy, type, str, Callable[..., bool], Sequence[Any], None]
+PolicyLike = Policy | type | str | Callable[..., bool] | Sequence[Any] | None
 
 
 def as_policy(policy: PolicyLike) -> Policy:
