@@ -1,0 +1,1 @@
+"""Sources of acshim's native offload/prefetch extension (installed as ``acshim._csrc``)."""
