@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -43,7 +44,11 @@ def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options:
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}")
     region_options = build_options(options, **option_changes)
-    targets = as_policy(policy).select(model)
+    chosen = as_policy(policy)
+    targets = chosen.select(model)
+    if not targets:
+        warnings.warn(f"apply_checkpointing: {chosen!r} selected no module of {type(model).__name__}; nothing is "
+                      "checkpointed. Pass a policy such as ByClass(MyBlock) or ByName('layers.*').", stacklevel=2)
     names = []
     for target in targets:
         if isinstance(target, SequentialTarget):

@@ -43,6 +43,10 @@ class Policy:
     def select(self, model: nn.Module) -> list[Target]:
         raise NotImplementedError
 
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
     def _outermost(self, model: nn.Module, keep: Callable[[str, nn.Module], bool]) -> list[Target]:
         targets: list[Target] = []
         for name, module in model.named_modules():

@@ -1,0 +1,1 @@
+"""Facade of ``smdistributed.modelparallel``: only the PyTorch flavour (``.torch``) is provided."""
