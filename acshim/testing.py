@@ -158,3 +158,47 @@ def hf_inputs(arch: str, batch: int = 2, seq: int = 16, seed: int = 2) -> dict[s
     if arch == "t5":
         return {"input_ids": ids, "labels": torch.randint(0, 128, (batch, seq // 2), generator=generator)}
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+class GPTBlock(nn.Module):
+    """A GPT-2-shaped pre-norm transformer block (causal self-attention + 4x MLP), dropout on."""
+
+    def __init__(self, width: int, heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.resid_dropout(self.proj(attn.transpose(1, 2).reshape(batch, seq, width)))
+        return x + self.resid_dropout(self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x)))))
+
+
+class GPT(nn.Module):
+    """A GPT-2-shaped language model in plain PyTorch (no transformers needed): token and position
+    embeddings, ``layers`` blocks in ``self.h``, a final norm and a tied LM head. ``forward(ids)``
+    returns the mean next-token cross-entropy."""
+
+    def __init__(self, layers: int = 4, width: int = 128, heads: int = 4, seq: int = 64, vocab: int = 512,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPTBlock(width, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.drop(self.wte(ids) + self.wpe(positions))
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())

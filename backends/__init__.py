@@ -1,1 +1,47 @@
-"""Transfer engines under the storage tier: one small interface, a backend per device kind."""
+"""Transfer engines under the storage tier: one small interface, a backend per device kind.
+
+``Backend`` (``base.py``) is the interface: issue a copy out, issue a copy in, wait, release.
+``CpuBackend`` moves CPU tensors with worker threads (host memory, disk files), ``CudaBackend``
+with a side stream, pinned host memory and events, and ``SimulatedBackend`` (tests, benchmarks)
+sleeps per byte so prefetch overlap can be measured on a CPU. ``backend_for`` picks by device.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .base import Backend, Ticket, Tier, TransferFailed
+from .cpu import CpuBackend
+from .simulated import SimulatedBackend, TransferRecord
+
+_lock = threading.Lock()
+_shared: dict[torch.device, Backend] = {}
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The process-wide backend for ``device`` (created on first use): ``cpu`` -> ``CpuBackend``,
+    ``cuda:N`` -> ``CudaBackend``. Other device kinds raise ``NotImplementedError``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _lock:
+        backend = _shared.get(device)
+        if backend is None:
+            if device.type == "cpu":
+                backend = CpuBackend()
+            elif device.type == "cuda":
+                from .cuda import CudaBackend
+
+                backend = CudaBackend(device)
+            else:
+                raise NotImplementedError(
+                    f"acshim offload has no transfer backend for {device.type!r} tensors yet; "
+                    "use storage='host' on CPU/CUDA or keep this region out of offload with acshim.storage.no_offload()")
+            _shared[device] = backend
+        return backend
+
+
+__all__ = ["Backend", "CpuBackend", "SimulatedBackend", "Ticket", "Tier", "TransferFailed", "TransferRecord",
+           "backend_for"]

@@ -8,7 +8,15 @@ import torch
 
 import acshim
 from acshim import structures
-from acshim.testing import ConvBNNet, assert_bitwise_equal, hf_inputs, hf_model, seeded, tiny_sequential, train_step
+from acshim.testing import (
+    ConvBNNet,
+    assert_bitwise_equal,
+    hf_inputs,
+    hf_model,
+    seeded,
+    tiny_sequential,
+    train_step,
+)
 
 MODES = [pytest.param(False, id="non_reentrant"), pytest.param(True, id="reentrant")]
 

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime`` as far as activation checkpointing needs it."""

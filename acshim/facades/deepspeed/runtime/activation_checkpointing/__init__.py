@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.activation_checkpointing``: the ``checkpointing`` and ``config`` modules."""

@@ -1,0 +1,425 @@
+"""``deepspeed.checkpointing`` (deepspeed/runtime/activation_checkpointing/checkpointing.py, 0.19)
+on the acshim engine.
+
+Same names, signatures and defaults as DeepSpeed 0.19; every checkpoint is one engine region
+(``checkpoint``: reentrant, ``non_reentrant_checkpoint``: non-reentrant) that restores the CPU,
+device and model-parallel tracker RNG streams for the recompute. Module globals
+(``PARTITION_ACTIVATIONS``, ``mpu``, ``num_layers``, ...) are live properties over one state object
+(``_state.STATE``). Deliberate differences, each better than upstream:
+
+- no ``deepspeed.init_distributed()`` needed: one process works without torch.distributed;
+- reentrant ``checkpoint`` gives parameters gradients even when no input requires grad;
+- the caller's input tensors are never emptied ("hollowed") or left flat, also under ``no_grad``;
+- the recompute gets exactly the original arguments (upstream adds a ``None`` after each
+  non-tensor argument when partitioning), and dict or other non-sequence outputs are returned as
+  they are (upstream returns a dict's keys);
+- ``cpu_checkpointing`` keeps data correct on a CPU-only machine (upstream corrupts it there);
+- ``non_reentrant_checkpoint`` works with ``torch.autograd.grad``.
+
+Not yet: partitioning activations across a model-parallel group of more than one rank (raises
+``NotImplementedError``), contiguous preallocated buffers (accepted and validated, not allocated).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from acshim import rng as _rng
+from acshim.options import RegionOptions
+from acshim.region import run_region
+
+from ._profile import FORWARD_GLOBAL_TIMER as FORWARD_GLOBAL_TIMER  # an upstream module name
+from ._profile import CheckpointObserver, Timers
+from ._state import STATE, StateBackedModule
+from .config import activation_checkpointing_config
+
+__all__ = [
+    "CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configure", "detach_variable",
+    "extract_tensors", "get_cuda_rng_tracker", "get_partition_size", "get_partition_start",
+    "is_activation_to_checkpoint", "is_configured", "merge_tensors", "model_parallel_cuda_manual_seed",
+    "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint", "partition_activations_in_checkpoint",
+    "reset", "set_num_layers",
+]
+
+logger = logging.getLogger("acshim.facades.deepspeed")
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = _rng.DEFAULT_STREAM_NAME  # 'model-parallel-rng'
+
+
+def _global_rank() -> int:
+    """``dist.get_rank()`` when torch.distributed is initialised, else 0 (a single process)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG tracker and seeding
+
+
+class CudaRNGStatesTracker(_rng.RNGStatesTracker):
+    """Named RNG streams on the accelerator's default generator (the CPU one on a CPU machine).
+
+    Upstream ``CudaRNGStatesTracker`` (Megatron's mpu/random.py): ``reset``, ``get_states``,
+    ``set_states``, ``add(name, seed)`` and the ``fork(name='model-parallel-rng')`` context, with the
+    same ``Exception`` texts. Built on ``acshim.rng.RNGStatesTracker``, so every checkpoint region
+    saves and restores its streams.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+def _set_cuda_rng_state(new_state: torch.Tensor, device: int | str | torch.device = -1) -> None:
+    """Install ``new_state`` in the accelerator's default generator (upstream: not cloned)."""
+    _rng.set_device_rng_state(_rng.default_device_type(), new_state)
+
+
+def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
+    """The module's tracker singleton (``_CUDA_RNG_STATE_TRACKER``)."""
+    return STATE._CUDA_RNG_STATE_TRACKER
+
+
+def _tensor_model_parallel_rank(mpu: Any) -> int:
+    """``deepspeed.utils.bwc.bwc_tensor_model_parallel_rank``: 0 without an mpu."""
+    if mpu is None:
+        return 0
+    for method in ("get_tensor_model_parallel_rank", "get_slice_parallel_rank"):
+        if hasattr(mpu, method):
+            return getattr(mpu, method)()
+    return mpu.get_model_parallel_rank()
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """Seed the default generator with ``seed`` and the tracker's 'model-parallel-rng' stream with
+    ``seed + 2718 + tensor-model-parallel rank`` (after resetting the tracker).
+
+    Difference: without an ``mpu`` upstream fails on rank 0 (AttributeError while logging the data
+    parallel rank); here the data parallel rank is then 0.
+    """
+    mpu = STATE.mpu
+    tp_rank = _tensor_model_parallel_rank(mpu)
+    model_parallel_seed = seed + 2718 + tp_rank
+    if _global_rank() == 0:
+        dp_rank = mpu.get_data_parallel_rank() if mpu is not None else 0
+        logger.info(
+            "> initializing model parallel cuda seeds on global rank %d, model parallel rank %d, and data parallel "
+            "rank %d with model parallel seed: %d and data parallel seed: %d",
+            _global_rank(), tp_rank, dp_rank, model_parallel_seed, seed)
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    _rng.manual_seed_device(tracker.device_type, seed)
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """Re-seed only the tracked 'model-parallel-rng' stream with ``seed + 2718 + tp rank``."""
+    tp_rank = _tensor_model_parallel_rank(STATE.mpu)
+    tracker = get_cuda_rng_tracker()
+    with tracker.fork():
+        _rng.manual_seed_device(tracker.device_type, seed + 2718 + tp_rank)
+
+
+# --------------------------------------------------------------------------------------------------
+# argument helpers (upstream internals kept for callers that reach them)
+
+
+def detach_variable(inputs: tuple[Any, ...], device: Any = None) -> tuple[Any, ...]:
+    """Detach each tensor of a tuple (optionally moving it to ``device``), keeping requires_grad."""
+    if not isinstance(inputs, tuple):
+        raise RuntimeError("Only tuple of tensors is supported. Got Unsupported input type: ", type(inputs).__name__)
+    out = []
+    for item in inputs:
+        if isinstance(item, torch.Tensor):
+            moved = item.to(device=device) if device is not None else item
+            item = moved.detach().requires_grad_(item.requires_grad)
+        out.append(item)
+    return tuple(out)
+
+
+def is_activation_to_checkpoint(item: Any) -> bool:
+    """A floating-point tensor with at least ``mp_size`` elements and no ``no_checkpointing=True``."""
+    return (torch.is_tensor(item) and item.is_floating_point() and item.numel() >= STATE.mp_size
+            and not getattr(item, "no_checkpointing", False))
+
+
+def get_partition_size(item: torch.Tensor) -> int:
+    """Elements of ``item`` this model-parallel rank keeps when partitioning."""
+    assert item.numel() % STATE.mp_size == 0, \
+        "Doesn't handle if partition activation if item is not divisible by mp size"
+    return item.numel() // STATE.mp_size
+
+
+def get_partition_start(item: torch.Tensor) -> int:
+    """Flat offset of this rank's partition of ``item``."""
+    return item.numel() // STATE.mp_size * STATE.mp_rank
+
+
+def extract_tensors(all_objects: tuple[Any, ...] | list[Any]) -> tuple[Any, Any, Any]:
+    """Split a sequence into (tensors, non-tensors, per-position is-tensor flags), keeping order."""
+    tensors = [v for v in all_objects if torch.is_tensor(v)]
+    others = [v for v in all_objects if not torch.is_tensor(v)]
+    flags = [torch.is_tensor(v) for v in all_objects]
+    if type(all_objects) is tuple:
+        return tuple(tensors), tuple(others), tuple(flags)
+    return tensors, others, flags
+
+
+def merge_tensors(tensor_objects: Any, non_tensor_objects: Any, tensor_flags: Any) -> tuple[Any, ...]:
+    """Inverse of ``extract_tensors``. Difference: upstream mis-merges when partitioning (an extra
+    ``None`` after each non-tensor); this always follows the flags."""
+    tensors, others = iter(tensor_objects), iter(non_tensor_objects)
+    return tuple(next(tensors) if flag else next(others) for flag in tensor_flags)
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoint
+
+
+def _host_offload_scope() -> Any:
+    """The engine storage tier's boundary offload to host memory, if that tier is installed."""
+    try:
+        from acshim import storage
+    except ImportError:
+        return None
+    factory = getattr(storage, "boundary_offload", None)
+    return factory(storage="host", prefetch=0) if factory is not None else None
+
+
+def _region_options(reentrant: bool) -> RegionOptions:
+    """The engine options the module's flags ask for (read once, when the forward runs)."""
+    if STATE.PARTITION_ACTIVATIONS and STATE.mp_size > 1:
+        raise NotImplementedError(
+            f"deepspeed.checkpointing: partition_activations across a model-parallel group of {STATE.mp_size} "
+            "ranks is not supported by acshim yet. Set partition_activations=False (each rank then keeps its "
+            "whole checkpoint inputs) or run with a tensor-model-parallel size of 1.")
+    observer = None
+    if STATE.SYNCHRONIZE or STATE.PROFILE_TIME:
+        if STATE.PROFILE_TIME and STATE.timers is None:
+            STATE.timers = Timers()
+        observer = CheckpointObserver(STATE.SYNCHRONIZE, STATE.timers if STATE.PROFILE_TIME else None)
+    return RegionOptions(
+        reentrant=reentrant,
+        preserve_rng_state=True,  # upstream always restores CPU, device and tracker RNG
+        # the observer must see the recompute end; upstream also replays the whole function
+        early_stop=observer is None,
+        saved_tensors_scope=_host_offload_scope() if STATE.CPU_CHECKPOINT else None,
+        observer=observer,
+    )
+
+
+def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+         reentrant: bool) -> Any:
+    options = _region_options(reentrant)
+    observer = options.observer
+    if observer is not None and not torch.is_grad_enabled():
+        # the engine runs a plain call without grad; upstream still times/synchronizes the forward
+        observer.forward_start(function)
+        output = run_region(function, args, kwargs, options)
+        observer.forward_end(function)
+        return output
+    return run_region(function, args, kwargs, options)
+
+
+def _full_outputs(outputs: Any) -> list[Any] | None:
+    """What upstream appends to ``all_outputs``: [tensor], or the items of a tuple/list; None for
+    other outputs (dicts, None, ...), which acshim returns unchanged."""
+    if torch.is_tensor(outputs):
+        return [outputs]
+    if isinstance(outputs, (tuple, list)):
+        return list(outputs)
+    return None
+
+
+def _as_upstream_output(outputs: Any) -> Any:
+    """Upstream's return convention: one item -> that item, several -> a tuple."""
+    items = _full_outputs(outputs)
+    if items is None:
+        return outputs
+    return items[0] if len(items) == 1 else tuple(items)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``function(*args, **kwargs)`` without keeping its activations; recompute in backward.
+
+    Reentrant, as upstream. Outputs: a tensor is returned as is; a tuple or list as a tuple of all
+    its items (non-tensors included), a 1-item one unwrapped. Tensor keyword arguments get
+    gradients like positional ones (0.19).
+    """
+    STATE._checkpoint_grad_enabled = torch.is_grad_enabled()
+    return _as_upstream_output(_run(function, args, kwargs, reentrant=True))
+
+
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """Like ``checkpoint``, recomputing on first use of a saved tensor (saved-tensor hooks).
+
+    Inputs need not require grad; backward twice with ``retain_graph`` works. No keyword arguments
+    (as upstream).
+    """
+    return _as_upstream_output(_run(function, args, None, reentrant=False))
+
+
+class CheckpointFunction:
+    """``CheckpointFunction.apply(run_function, all_outputs, *args)`` as upstream calls it: runs a
+    reentrant region, appends the full outputs to the list ``all_outputs`` and returns the tensor
+    outputs (the tensor itself for a tensor output, else a tuple).
+
+    Difference: not a ``torch.autograd.Function`` subclass; the engine's reentrant region is.
+    """
+
+    @staticmethod
+    def apply(run_function: Callable[..., Any], all_outputs: list[Any], *args: Any) -> Any:
+        STATE._checkpoint_grad_enabled = torch.is_grad_enabled()
+        outputs = _run(run_function, args, None, reentrant=True)
+        items = _full_outputs(outputs)
+        if items is None:
+            all_outputs.append(outputs)
+            return outputs
+        all_outputs.extend(items)
+        return outputs if torch.is_tensor(outputs) else tuple(o for o in items if torch.is_tensor(o))
+
+    @staticmethod
+    def forward(ctx: Any, run_function: Callable[..., Any], all_outputs: list[Any], *args: Any) -> Any:
+        raise NotImplementedError("call CheckpointFunction.apply(run_function, all_outputs, *args) or checkpoint()")
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise NotImplementedError("CheckpointFunction's backward runs inside the engine's reentrant region")
+
+
+# --------------------------------------------------------------------------------------------------
+# configuration
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """Set ``PARTITION_ACTIVATIONS`` only (no torch.distributed needed, unlike upstream)."""
+    STATE.PARTITION_ACTIVATIONS = partition_activation
+    if _global_rank() == 0:
+        logger.info("**************Partition Activations %s************", partition_activation)
+
+
+def set_num_layers(nlayers: int | None) -> None:
+    """Set ``num_layers`` (the contiguous-buffer depth) only."""
+    STATE.num_layers = nlayers
+
+
+def reset() -> None:
+    """Drop the contiguous-checkpointing bookkeeping (only when contiguous checkpointing is on).
+
+    Flags, mpu, tracker and ``is_configured()`` are untouched, as upstream.
+    """
+    if STATE.CONTIGUOUS_CHECKPOINTING:
+        STATE.contiguous_data_buffers = []
+        STATE.contiguous_size_buffers = []
+        STATE.data_offsets = []
+        STATE.size_offsets = []
+
+
+_SETTING_NAMES = ("PARTITION_ACTIVATIONS", "CONTIGUOUS_CHECKPOINTING", "num_layers", "CPU_CHECKPOINT",
+                  "SYNCHRONIZE", "PROFILE_TIME")
+
+
+def _settings_from_config(config: Any) -> dict[str, Any]:
+    block = activation_checkpointing_config(config)
+    return {
+        "PARTITION_ACTIVATIONS": block.partition_activations,
+        "CONTIGUOUS_CHECKPOINTING": block.contiguous_memory_optimization,
+        "num_layers": block.number_checkpoints,
+        "CPU_CHECKPOINT": block.cpu_checkpointing,
+        "SYNCHRONIZE": block.synchronize_checkpoint_boundary,
+        "PROFILE_TIME": block.profile,
+    }
+
+
+def _configure_defaults() -> None:
+    """Every flag off, ``num_layers`` None, and ``is_configured()`` True from now on."""
+    for name in _SETTING_NAMES:
+        setattr(STATE, name, None if name == "num_layers" else False)
+    STATE.deepspeed_checkpointing_enabled = True
+
+
+def _configure_using_config_file(config: Any, mpu: Any = None) -> None:
+    """Copy the ``activation_checkpointing`` block of ``config`` into the flags."""
+    settings = _settings_from_config(config)
+    if _global_rank() == 0:
+        logger.info("%s", activation_checkpointing_config(config).repr())
+    for name, value in settings.items():
+        setattr(STATE, name, value)
+
+
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
+    """Configure DeepSpeed activation checkpointing.
+
+    Every setting starts from its default, then takes the ``activation_checkpointing`` block of
+    ``deepspeed_config`` (a dict, a JSON file path or base64 JSON), then each explicit argument that
+    is not None (explicit > JSON > default; an explicit False beats a JSON true). A None ``mpu_``
+    keeps the previous mpu; an mpu sets ``mp_rank``/``mp_size``/``mp_group`` from its
+    ``get_tensor_model_parallel_*`` (else ``get_model_parallel_*``) methods.
+
+    Differences: no ``init_distributed()`` needed; only the activation-checkpointing block of
+    ``deepspeed_config`` is read (no batch-size check); nothing changes when an assert fails.
+    """
+    settings = {name: (None if name == "num_layers" else False) for name in _SETTING_NAMES}
+    if deepspeed_config is not None:
+        settings.update(_settings_from_config(deepspeed_config))
+    explicit = {
+        "PARTITION_ACTIVATIONS": partition_activations,
+        "CONTIGUOUS_CHECKPOINTING": contiguous_checkpointing,
+        "num_layers": num_checkpoints,
+        "CPU_CHECKPOINT": checkpoint_in_cpu,
+        "SYNCHRONIZE": synchronize,
+        "PROFILE_TIME": profile,
+    }
+    settings.update({name: value for name, value in explicit.items() if value is not None})
+    if settings["CONTIGUOUS_CHECKPOINTING"]:
+        assert settings["PARTITION_ACTIVATIONS"], (
+            "Contiguous Checkpointing is only available with partitioned activations. Set partitioned "
+            "activations to true in deepspeed config")
+        assert settings["num_layers"] is not None, \
+            "Must specify the number of layers with contiguous memory checkpointing"
+    mpu = mpu_ if mpu_ is not None else STATE.mpu
+    if mpu is not None:
+        if hasattr(mpu, "get_tensor_model_parallel_rank"):
+            parallel = (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+                        mpu.get_tensor_model_parallel_group())
+        else:
+            parallel = (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
+                        mpu.get_model_parallel_group())
+        STATE.mp_rank, STATE.mp_size, STATE.mp_group = parallel
+    STATE.mpu = mpu
+    for name, value in settings.items():
+        setattr(STATE, name, value)
+    STATE.deepspeed_checkpointing_enabled = True
+    if _global_rank() == 0:
+        logger.info("Activation Checkpointing Information")
+        logger.info("----Partition Activations %s, CPU CHECKPOINTING %s", STATE.PARTITION_ACTIVATIONS,
+                    STATE.CPU_CHECKPOINT)
+        logger.info("----contiguous Memory Checkpointing %s with %s total layers", STATE.CONTIGUOUS_CHECKPOINTING,
+                    STATE.num_layers)
+        logger.info("----Synchronization %s", STATE.SYNCHRONIZE)
+        logger.info("----Profiling time in checkpointing %s", STATE.PROFILE_TIME)
+
+
+def is_configured() -> bool:
+    """True once ``configure`` has been called (never reset), else False."""
+    return STATE.deepspeed_checkpointing_enabled
+
+
+STATE._CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
+
+# The upstream globals become properties over STATE (reads and assignments on this module).
+sys.modules[__name__].__class__ = StateBackedModule

@@ -1,0 +1,126 @@
+"""Facade of ``smdistributed.modelparallel.torch`` (SageMaker model parallelism v1, PyTorch) for one process.
+
+``import smdistributed.modelparallel.torch as smp`` becomes
+``import acshim.facades.smdistributed.modelparallel.torch as smp``. Activation checkpointing
+(``smp.patches.checkpoint.checkpoint`` / ``checkpoint_sequential``, ``smp.set_activation_checkpointing``
+with each / contiguous / group_N) runs on acshim's engine; ``smp.step`` splits microbatches and
+averages their gradients; ``DistributedModel`` / ``DistributedOptimizer`` are transparent wrappers,
+since one process is one partition and one data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from . import amp, nn, patches
+from .comm import (
+    DP_GROUP,
+    MP_GROUP,
+    PP_GROUP,
+    RDP_GROUP,
+    TP_GROUP,
+    WORLD,
+    CommGroup,
+    RankType,
+    allgather,
+    barrier,
+    broadcast,
+    dp_barrier,
+    dp_rank,
+    dp_size,
+    gather,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_process_group,
+    local_rank,
+    local_size,
+    mp_barrier,
+    mp_rank,
+    mp_size,
+    pp_barrier,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_barrier,
+    rdp_rank,
+    rdp_size,
+    recv_from,
+    send,
+    size,
+    tp_barrier,
+    tp_rank,
+    tp_size,
+)
+from .config import SMPConfig, parse_config
+from .model import DistributedModel
+from .optimizer import DistributedOptimizer
+from .patches.checkpoint import checkpoint, set_activation_checkpointing
+from .placement import (
+    delay_param_initialization,
+    is_tracing,
+    model_creation,
+    partition,
+    set_partition,
+    set_tensor_parallelism,
+    tensor_parallelism,
+)
+from .serialization import load, resume_from_checkpoint, save, save_checkpoint
+from .state_mod import state
+from .step import StepOutput, step
+
+
+def init(config: Mapping[str, Any] | None = None) -> None:
+    """Initialise SMP: config = library defaults < ``config`` < ``SM_HP_MP_PARAMETERS`` (JSON).
+
+    Validates every key as the library does (unknown keys and bad values raise ``ValueError``).
+    Calling it again starts over: the config is replaced and the wrapped model is forgotten.
+    ``partitions`` / ``tensor_parallel_degree`` above 1 are accepted with a warning: everything
+    runs in this one process, as one partition with unsplit modules.
+    """
+    cfg = parse_config(config)
+    state.reset_model_state()
+    state.cfg = cfg
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree"):
+        if cfg.values[key] > 1:
+            warnings.warn(f"smp config {key}={cfg.values[key]}: acshim runs this script in one process, so the "
+                          "whole model is one partition with unsplit modules (gradients are unchanged)", stacklevel=2)
+
+
+def is_initialized() -> bool:
+    """Whether ``smp.init`` has run."""
+    return state.initialized
+
+
+def reset() -> None:
+    """Forget the wrapped model and optimizer, so a new ``DistributedModel`` can be created."""
+    state.reset_model_state()
+
+
+def num_microbatches() -> int:
+    """The configured number of microbatches."""
+    return state.num_microbatches()
+
+
+__all__ = [
+    "init", "is_initialized", "reset", "num_microbatches", "step", "StepOutput", "DistributedModel",
+    "DistributedOptimizer", "checkpoint", "set_activation_checkpointing", "patches", "amp", "nn",
+    "partition", "set_partition", "tensor_parallelism", "set_tensor_parallelism", "delay_param_initialization",
+    "model_creation", "is_tracing", "save", "load", "save_checkpoint", "resume_from_checkpoint",
+    "rank", "size", "local_rank", "local_size", "dp_rank", "dp_size", "mp_rank", "mp_size", "pp_rank",
+    "pp_size", "tp_rank", "tp_size", "rdp_rank", "rdp_size", "get_dp_group", "get_mp_group", "get_pp_group",
+    "get_tp_group", "get_rdp_group", "get_world_process_group", "get_dp_process_group", "get_mp_process_group",
+    "get_pp_process_group", "get_tp_process_group", "get_rdp_process_group", "barrier", "dp_barrier",
+    "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier", "broadcast", "allgather", "gather", "send",
+    "recv_from", "CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP", "PP_GROUP", "TP_GROUP", "RDP_GROUP",
+    "SMPConfig", "state",
+]

@@ -1,0 +1,1 @@
+"""Facade of ``smdistributed.modelparallel.torch.patches`` (only ``checkpoint`` is provided)."""

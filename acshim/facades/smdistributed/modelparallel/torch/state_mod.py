@@ -1,0 +1,55 @@
+"""The one SMP v1 process state object (upstream: ``smdistributed.modelparallel.torch.state_mod.state``).
+
+Holds the validated config, the wrapped model and optimizer, and whether an ``smp.step`` body is
+running. Tests reset it with ``state.reset()``; nothing else is module-level mutable state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SMPConfig, parse_config
+from .exceptions import NotInitializedError
+
+
+@dataclass
+class SMPState:
+    cfg: SMPConfig | None = None
+    model: Any = None
+    optimizer: Any = None
+    in_step_func: bool = False
+    microbatch: int = 0
+    post_partition_hooks: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def initialized(self) -> bool:
+        return self.cfg is not None
+
+    def config(self) -> SMPConfig:
+        """The active config; before ``smp.init`` the library's defaults (a single process)."""
+        return self.cfg if self.cfg is not None else parse_config({}, use_environment=False)
+
+    def require_init(self) -> SMPConfig:
+        if self.cfg is None:
+            raise NotInitializedError()
+        return self.cfg
+
+    def num_microbatches(self) -> int:
+        return self.config().microbatches
+
+    def reset_model_state(self) -> None:
+        """Forget the wrapped model and optimizer (upstream ``smp.reset()``)."""
+        self.model = None
+        self.optimizer = None
+        self.in_step_func = False
+        self.microbatch = 0
+        self.post_partition_hooks.clear()
+
+    def reset(self) -> None:
+        """Back to the state before ``smp.init``."""
+        self.reset_model_state()
+        self.cfg = None
+
+
+state = SMPState()

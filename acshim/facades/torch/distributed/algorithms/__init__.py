@@ -1,0 +1,1 @@
+"""``torch.distributed.algorithms``: the activation-checkpointing part (``_checkpoint``)."""

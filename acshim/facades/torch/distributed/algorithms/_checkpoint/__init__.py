@@ -1,0 +1,1 @@
+"""``torch.distributed.algorithms._checkpoint``: ``checkpoint_wrapper`` on the acshim engine."""

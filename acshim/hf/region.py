@@ -1,0 +1,147 @@
+"""The engine behind Hugging Face's checkpointing switches.
+
+Two ways a transformers block becomes an engine region:
+
+- ``HFBlockForward``: installed in place as a block's ``forward`` (auto-patching, Accelerate's FSDP
+  activation checkpointing, models upstream refuses). Caching is turned off inside, as upstream's
+  ``GradientCheckpointingLayer`` does; module hooks stay outside the region.
+- ``EngineCheckpointFunction``: installed as ``_gradient_checkpointing_func`` when a script calls
+  ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable``, keeping upstream's own
+  bookkeeping. Calling convention ``func(function, *positional_args)`` as upstream; a
+  ``functools.partial``'s keywords are lifted into the region's inputs, so a tensor passed by
+  keyword (``hidden_states=``) gets its gradient even in reentrant mode, where upstream's closure
+  would silently drop it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..apply import build_options
+from ..options import DETERMINISM_CHECKS, RegionOptions
+from ..region import run_region
+from ..wrap import CheckpointedForward, checkpoint_module, checkpointed_forward_of
+from .caching import checkpointing_active, drop_cache_kwargs
+
+SKIP_ATTRIBUTE = "_acshim_hf_skip_checkpoint"
+"""Set True on a block that ``every_n_layers`` leaves out, for models whose layer loop (not the
+layer) calls ``_gradient_checkpointing_func`` (transformers before ``GradientCheckpointingLayer``)."""
+
+# torch.utils.checkpoint keywords and the RegionOptions field each one sets.
+_TORCH_CHECKPOINT_KEYWORDS = {
+    "use_reentrant": "reentrant",
+    "preserve_rng_state": "preserve_rng_state",
+    "determinism_check": "determinism_check",
+    "debug": "debug",
+    "early_stop": "early_stop",
+    "context_fn": "context_fn",
+}
+
+
+def options_from_checkpoint_kwargs(kwargs: dict[str, Any] | None, default_reentrant: bool,
+                                   base: RegionOptions | None = None, argument: str = "gradient_checkpointing_kwargs"
+                                   ) -> RegionOptions:
+    """Translate Hugging Face ``gradient_checkpointing_kwargs`` (torch checkpoint keywords, or
+    acshim ``RegionOptions`` field names) into engine options.
+
+    ``default_reentrant`` applies when ``use_reentrant`` is absent. Unknown keys raise at enable
+    time (upstream would pass them on to each block's ``forward`` at the first training step).
+    """
+    changes: dict[str, Any] = {}
+    for key, value in dict(kwargs or {}).items():
+        field = _TORCH_CHECKPOINT_KEYWORDS.get(key, key)
+        if field in changes:
+            raise ValueError(f"{argument}: {key!r} given twice (as a torch keyword and as an acshim option)")
+        changes[field] = value
+    if changes.get("reentrant") is None:
+        changes["reentrant"] = default_reentrant
+    changes["reentrant"] = bool(changes["reentrant"])
+    if changes.get("determinism_check", "default") not in DETERMINISM_CHECKS:
+        raise ValueError(f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, "
+                         f"but got {changes['determinism_check']}")
+    if changes["reentrant"] and (changes.get("context_fn") is not None or changes.get("debug")):
+        raise ValueError("Passing context_fn or debug is only supported when use_reentrant=False.")
+    try:
+        return build_options(base, **changes)
+    except TypeError as error:
+        raise TypeError(f"{argument}: {error}") from None
+
+
+class HFBlockForward(CheckpointedForward):
+    """A transformers block's in-place region forward: plain in eval / no-grad / when the block's
+    own upstream checkpointing is switched on (no double recompute); otherwise caching off, then
+    the engine region."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = self.plain_forward()
+        if not checkpointing_active(module) or getattr(module, "gradient_checkpointing", False) is True:
+            return forward(*args, **kwargs)
+        return run_region(forward, args, drop_cache_kwargs(module, kwargs), self.options)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HFBlockForward:
+        base = super().__deepcopy__(memo)
+        return HFBlockForward(base.module, base.options, base.replaced)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_as_hf_forward, super().__reduce__())
+
+
+def _as_hf_forward(restore: Callable[..., CheckpointedForward], args: tuple[Any, ...]) -> HFBlockForward:
+    base = restore(*args)
+    return HFBlockForward(base.module, base.options, base.replaced)
+
+
+def checkpoint_hf_block(module: nn.Module, options: RegionOptions) -> nn.Module:
+    """Make ``module`` an in-place engine region with ``HFBlockForward`` (idempotent)."""
+    checkpoint_module(module, options)
+    base = checkpointed_forward_of(module)
+    assert base is not None
+    module.forward = HFBlockForward(module, options, base.replaced)
+    return module
+
+
+def _unwrap(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    while isinstance(function, functools.partial):
+        args = function.args + args
+        kwargs = {**function.keywords, **kwargs}
+        function = function.func
+    return function, args, kwargs
+
+
+def _owner(function: Callable[..., Any]) -> nn.Module | None:
+    """The block a checkpoint call runs: ``layer.__call__`` (4.x loops), ``partial(super().__call__)``
+    (4.5x layer class) or ``partial(forward, layer)`` (5.x layer class)."""
+    while isinstance(function, functools.partial):
+        if function.args and isinstance(function.args[0], nn.Module) and not inspect.ismethod(function.func):
+            return function.args[0]
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+class EngineCheckpointFunction:
+    """A ``_gradient_checkpointing_func`` that runs the engine with fixed ``options``."""
+
+    def __init__(self, options: RegionOptions) -> None:
+        self.options = options
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        owner = _owner(function)
+        if owner is not None and getattr(owner, SKIP_ATTRIBUTE, False):
+            return function(*args, **kwargs)
+        target, args, kwargs = _unwrap(function, args, kwargs)
+        return run_region(target, args, kwargs, self.options)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineCheckpointFunction:
+        return EngineCheckpointFunction(copy.copy(self.options))
+
+    def __repr__(self) -> str:
+        return f"EngineCheckpointFunction({self.options!r})"

@@ -1,0 +1,89 @@
+"""The one interface every transfer engine implements: issue a copy out, issue a copy in, wait, release.
+
+A backend moves the bytes of a saved tensor between where it was computed and a storage tier, without
+blocking the caller: ``copy_out`` and ``copy_in`` only *issue* work and return a ``Ticket``; ``wait``
+blocks until a copy-in has landed and returns the tensor; ``release`` gives the tier its space back.
+The tier (host memory, disk files) is passed in and only needs the small ``Tier`` protocol below, so
+backends know nothing of the storage engine above them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class Tier(Protocol):
+    """Where moved bytes live. Called from backend worker threads, so implementations lock."""
+
+    kind: str
+    """``"host"`` or ``"disk"``."""
+
+    def write(self, data: torch.Tensor) -> Any:
+        """Store a 1-D ``uint8`` CPU tensor; return a slot. Blocking (runs on a worker thread)."""
+
+    def read(self, slot: Any, pin_memory: bool = False) -> torch.Tensor:
+        """The slot's bytes as a 1-D ``uint8`` CPU tensor. Blocking (runs on a worker thread)."""
+
+    def free(self, slot: Any) -> None:
+        """Give the slot's space back. The slot is never read again."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One issued copy. Backends fill the fields they need; callers only pass tickets back."""
+
+    nbytes: int
+    device: torch.device
+    slot: Any = None
+    """The tier's slot once the copy out has landed (or a future of it)."""
+    pending: Any = None
+    """What ``done``/``wait`` block on: a ``concurrent.futures.Future``, a CUDA event, or None."""
+    result: torch.Tensor | None = None
+    """For a copy in: the tensor being filled."""
+    source: Ticket | None = None
+    """For a copy in: the copy-out ticket it reads from."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TransferFailed(Exception):
+    """A copy out failed; ``data`` is the tensor that was being copied, so nothing computed is lost."""
+
+    def __init__(self, error: OSError, data: torch.Tensor) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.data = data
+
+
+class Backend(ABC):
+    """A transfer engine for one kind of device. Thread-compatible: the storage engine calls it from
+    the thread running forward/backward; the backend's own workers do the copying."""
+
+    @abstractmethod
+    def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
+        """Issue a copy of ``data`` (1-D ``uint8``, on this backend's device) into ``tier``.
+
+        The backend keeps ``data`` alive until the copy has read it, then drops it."""
+
+    @abstractmethod
+    def copy_in(self, stored: Ticket, tier: Tier) -> Ticket:
+        """Issue the copy of a stored tensor back to ``stored.device``; does not block."""
+
+    @abstractmethod
+    def done(self, ticket: Ticket) -> bool:
+        """True once ``ticket``'s copy has finished (``wait`` would not block)."""
+
+    @abstractmethod
+    def wait(self, ticket: Ticket) -> torch.Tensor | None:
+        """Block until ``ticket`` has landed; a copy in returns its 1-D ``uint8`` tensor. A failed
+        copy out raises ``TransferFailed`` (holding the data), a failed copy in its ``OSError``."""
+
+    @abstractmethod
+    def release(self, stored: Ticket, tier: Tier) -> None:
+        """Free the tier space of a copy-out ticket. Safe to call once, from any thread."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends own nothing to close
+        """Stop worker threads (optional)."""
