@@ -3,28 +3,7 @@ model parallelism, PyTorch's checkpoint_wrapper, Modalities and Hugging Face."""
 
 from __future__ import annotations
 
-import importlib.util as _importlib_util
-import sys as _sys
-from pathlib import Path as _Path
-
-
-def _map_source_tree_subpackages() -> None:
-    """From a source checkout, map ``backends/`` and ``csrc/`` (at the repository root) into the
-    package as ``acshim.backends`` and ``acshim._csrc``, as setup.py does at install time."""
-    root = _Path(__file__).resolve().parent.parent
-    for name, folder in (("acshim.backends", "backends"), ("acshim._csrc", "csrc")):
-        init = root / folder / "__init__.py"
-        if name in _sys.modules or not init.is_file() or (root / "acshim" / folder).exists():
-            continue
-        spec = _importlib_util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-        if spec is None or spec.loader is None:
-            continue
-        module = _importlib_util.module_from_spec(spec)
-        _sys.modules[name] = module
-        spec.loader.exec_module(module)
-        setattr(_sys.modules[__name__], name.rpartition(".")[2], module)
-
-
+from ._source_layout import map_source_tree_subpackages
 from .apply import apply_checkpointing, build_options, checkpointed_modules, remove_checkpointing
 from .blocks import find_blocks
 from .dropin import checkpoint
@@ -38,8 +17,7 @@ from .wrap import checkpoint_module, uncheckpoint_module
 
 __version__ = "0.1.0"
 
-if (_Path(__file__).resolve().parent.parent / "setup.py").is_file():
-    _map_source_tree_subpackages()
+map_source_tree_subpackages()
 
 # Names provided by subpackages that import heavier dependencies, loaded on first access.
 _LAZY = {

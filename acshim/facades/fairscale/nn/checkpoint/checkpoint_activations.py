@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from acshim import structures
+from acshim.facades.torch.distributed.algorithms._checkpoint._storage import host_offload_scope
 from acshim.options import RegionOptions
 from acshim.region import run_region
 from acshim.state import (
@@ -38,7 +39,6 @@ from acshim.state import (
 from acshim.state import state as thread_local
 from acshim.wrap import CheckpointedForward
 
-from acshim.facades.torch.distributed.algorithms._checkpoint._storage import host_offload_scope
 from .checkpoint_utils import patch_batchnorm
 
 ThreadLocalCheckpointingState = type(thread_local)

@@ -6,6 +6,7 @@ running. Tests reset it with ``state.reset()``; nothing else is module-level mut
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ class SMPState:
     optimizer: Any = None
     in_step_func: bool = False
     microbatch: int = 0
-    post_partition_hooks: dict[int, Any] = field(default_factory=dict)
+    post_partition_hooks: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # weakref-able
 
     @property
     def initialized(self) -> bool:

@@ -1,0 +1,1 @@
+"""``modalities.config``: the activation-checkpointing parameter classes only."""

@@ -1,0 +1,1 @@
+"""``modalities.training``: the activation-checkpointing part."""

@@ -1,0 +1,1 @@
+"""``torch.sagemaker.distributed.checkpoint``: not provided (SMP's sharded checkpoint saver/loader)."""

@@ -1,0 +1,1 @@
+"""``torch.sagemaker.moe``: not provided (SMP's expert-parallel mixture of experts)."""

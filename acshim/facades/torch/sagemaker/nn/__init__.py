@@ -1,0 +1,1 @@
+"""``torch.sagemaker.nn``: not provided (SMP's fused attention modules)."""

@@ -1,0 +1,1 @@
+"""``torch.sagemaker.utils``."""

@@ -1,0 +1,79 @@
+"""Run a script or module as ``python script.py`` / ``python -m module`` would, in this process.
+
+Scripts: ``sys.argv`` exactly as given, ``__name__ == "__main__"``, ``__file__`` absolute,
+``sys.path[0]`` the script's real directory, and the script module stays ``sys.modules["__main__"]``
+afterwards (atexit handlers, pickling and ``multiprocessing`` spawn look it up there). Written here
+rather than with ``runpy.run_path`` because run_path rewrites ``sys.argv[0]`` to the path it is
+given and puts the previous ``__main__`` back when the script returns. Modules go through
+``runpy.run_module(alter_sys=True)``, which is what ``python -m`` itself uses.
+
+Exceptions propagate to the caller unchanged; ``script_traceback`` trims the runner's own frames
+so the printed traceback starts where ``python script.py``'s does.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import io
+import os
+import runpy
+import sys
+import types
+from collections.abc import Sequence
+
+
+class ScriptNotFound(OSError):
+    """The script path does not name a readable file."""
+
+
+def run_script(path: str, args: Sequence[str] = ()) -> None:
+    """Execute the file ``path`` as ``__main__`` with ``sys.argv = [path, *args]``."""
+    absolute = os.path.abspath(path)
+    try:
+        with io.open_code(absolute) as file:
+            source = file.read()
+    except OSError as error:
+        raise ScriptNotFound(error.errno, f"can't open file {absolute!r}: [Errno {error.errno}] {error.strerror}") from None
+    code = compile(source, absolute, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=absolute, __cached__=None, __spec__=None, __package__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", absolute), __builtins__=__builtins__)
+    sys.argv[:] = [path, *args]
+    _set_path0(os.path.dirname(os.path.realpath(absolute)))
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def run_module(name: str, args: Sequence[str] = ()) -> None:
+    """Execute module ``name`` as ``python -m name`` would (``sys.path[0]`` = the working directory)."""
+    sys.argv[:] = [name, *args]  # runpy replaces argv[0] with the module's file, as python -m does
+    _set_path0(os.getcwd())
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def _set_path0(directory: str) -> None:
+    # ``acshim`` (console script) or ``python -m acshim`` put their own directory first; the
+    # script must see its own instead, as under ``python script.py``.
+    if sys.path:
+        sys.path[0] = directory
+    else:
+        sys.path.insert(0, directory)
+
+
+def script_traceback(error: BaseException, filename: str | None) -> types.TracebackType | None:
+    """The traceback of ``error`` from the script's first frame on (the runner's own frames and
+    runpy's removed); None for errors raised before the script ran (e.g. a SyntaxError)."""
+    tb = error.__traceback__
+    while tb is not None:
+        code_file = tb.tb_frame.f_code.co_filename
+        if filename is not None and os.path.abspath(code_file) == filename:
+            return tb
+        if filename is None and tb.tb_frame.f_globals.get("__name__") == "__main__" and not _is_runner_frame(code_file):
+            return tb
+        tb = tb.tb_next
+    return None
+
+
+def _is_runner_frame(code_file: str) -> bool:
+    return os.path.abspath(code_file) in {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}

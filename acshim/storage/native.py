@@ -1,0 +1,189 @@
+"""The native extension: build it, load it, or fall back to Python, and say which path is in use.
+
+``csrc/fileio.cpp`` (the disk tier's async file-I/O engine: thread pool, ``O_DIRECT``, GIL released)
+is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so a machine builds it once;
+``acshim build-ext`` (``build()``) compiles it ahead of time. ``csrc/pack.cu`` (packing many small
+CUDA tensors into one transfer) is built only where CUDA is present. Without a working compiler the
+Python path (``acshim.backends.fileio.PythonFileIO``) is used, with one warning and identical bytes.
+
+``ACSHIM_NATIVE=0`` forces the Python path (tests run both); ``ACSHIM_NATIVE=1`` makes a failed
+build an error instead of a fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..backends.fileio import PythonFileIO
+
+ENVIRONMENT_VARIABLE = "ACSHIM_NATIVE"
+FILEIO_EXTENSION = "acshim_fileio"
+PACK_EXTENSION = "acshim_pack"
+IO_THREADS = 2
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Which I/O path the disk tier uses and why (shown by ``acshim doctor``)."""
+
+    path: str
+    """``"native"`` or ``"python"``."""
+    reason: str
+    build_directory: str
+    cuda_pack: str
+    """``"native"``, ``"python"`` (CUDA present, build failed) or ``"not built: ..."``."""
+
+    def __str__(self) -> str:
+        return (f"disk I/O path: {self.path} ({self.reason}); extension cache: {self.build_directory}; "
+                f"CUDA pack kernels: {self.cuda_pack}")
+
+
+class NativeFileIO:
+    """The native engine behind ``PythonFileIO``'s interface (blocking calls, GIL released)."""
+
+    name = "native"
+
+    def __init__(self, module: ModuleType, threads: int = IO_THREADS) -> None:
+        self._engine = module.Engine(threads)
+
+    def _run(self, write: bool, fd: int, tensor: torch.Tensor, offset: int, direct: bool) -> None:
+        error = self._engine.submit(write, fd, tensor.data_ptr(), tensor.numel(), offset, direct).wait()
+        if error:
+            raise OSError(error, os.strerror(error))
+
+    def write(self, fd: int, data: torch.Tensor, offset: int, direct: bool) -> None:
+        self._run(True, fd, data, offset, direct)
+
+    def read(self, fd: int, out: torch.Tensor, offset: int, direct: bool) -> None:
+        self._run(False, fd, out, offset, direct)
+
+
+class _Loader:
+    """Process state of the extension: loaded once, on first use, under a lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.attempted = False
+        self.module: ModuleType | None = None
+        self.reason = "not loaded yet"
+        self.warned = False
+        self.io: NativeFileIO | None = None
+
+    def load(self, verbose: bool = False) -> ModuleType | None:
+        with self.lock:
+            if self.attempted and not verbose:
+                return self.module
+            self.attempted = True
+            try:
+                from torch.utils.cpp_extension import load
+
+                self.module = load(name=FILEIO_EXTENSION, sources=[_source("fileio.cpp")],
+                                   extra_cflags=["-O2", "-std=c++17"], verbose=verbose)
+                self.reason = f"compiled extension {FILEIO_EXTENSION} loaded"
+            except Exception as error:  # any compiler/toolchain failure means: use the Python path
+                self.module = None
+                self.reason = f"build failed: {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+                if os.environ.get(ENVIRONMENT_VARIABLE) == "1":
+                    raise RuntimeError(f"{ENVIRONMENT_VARIABLE}=1 but the native extension did not build: "
+                                       f"{self.reason}") from error
+                if not self.warned:
+                    self.warned = True
+                    warnings.warn(f"acshim: native disk I/O extension unavailable ({self.reason}); using the "
+                                  "Python path (same results, holds the GIL a little more). Run `acshim doctor` "
+                                  "for details.", RuntimeWarning, stacklevel=3)
+            return self.module
+
+
+_loader = _Loader()
+
+
+def _source(name: str) -> str:
+    return str(resources.files("acshim._csrc").joinpath(name))
+
+
+def _forced_python() -> bool:
+    return os.environ.get(ENVIRONMENT_VARIABLE, "").lower() in ("0", "off", "false", "python")
+
+
+def build_directory() -> str:
+    """Where torch caches compiled extensions (``$TORCH_EXTENSIONS_DIR`` if set)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(FILEIO_EXTENSION, verbose=False)
+
+
+def file_io(native: bool | None = None) -> Any:
+    """The I/O engine the disk tier uses: native unless ``native=False``, ``ACSHIM_NATIVE=0``, or the
+    build failed (then ``PythonFileIO``, after one warning)."""
+    if native is False or (native is None and _forced_python()):
+        return PythonFileIO()
+    module = _loader.load()
+    if module is None:
+        if native is True:
+            raise RuntimeError(f"native=True but the native extension is unavailable: {_loader.reason}")
+        return PythonFileIO()
+    with _loader.lock:
+        if _loader.io is None:
+            _loader.io = NativeFileIO(module)
+        return _loader.io
+
+
+def _cuda_pack_state() -> str:
+    if not torch.cuda.is_available():
+        return "not built: no CUDA device"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "python: CUDA_HOME not found"
+    return "native" if pack_module() is not None else "python: build failed"
+
+
+_pack: list[ModuleType | None] = []
+
+
+def pack_module() -> ModuleType | None:
+    """The compiled CUDA pack kernels (``gather``/``scatter``), or None off CUDA or if the build
+    failed; callers then use ``torch.cat`` of byte views, which gives the same bytes."""
+    if not _pack:
+        module = None
+        if torch.cuda.is_available():
+            try:
+                from torch.utils.cpp_extension import load
+
+                module = load(name=PACK_EXTENSION, sources=[_source("pack.cpp"), _source("pack.cu")],
+                              extra_cuda_cflags=["-O2"])
+            except Exception as error:  # fall back to torch ops, same bytes
+                warnings.warn(f"acshim: CUDA pack kernels unavailable ({error}); using torch ops", RuntimeWarning,
+                              stacklevel=2)
+        _pack.append(module)
+    return _pack[0]
+
+
+def status(load: bool = True) -> NativeStatus:
+    """Which path the disk tier uses and why. ``load=False`` reports without compiling anything."""
+    if _forced_python():
+        path, reason = "python", f"forced by {ENVIRONMENT_VARIABLE}={os.environ[ENVIRONMENT_VARIABLE]}"
+    else:
+        module = _loader.load() if load else _loader.module
+        path, reason = ("native" if module is not None else "python"), _loader.reason
+    cuda = _cuda_pack_state() if load else "not checked"
+    return NativeStatus(path=path, reason=reason, build_directory=build_directory(), cuda_pack=cuda)
+
+
+def build(verbose: bool = True) -> NativeStatus:
+    """Compile (or re-check the cache of) the native extension now; ``acshim build-ext`` calls this.
+    Raises ``RuntimeError`` if it cannot be built (the fallback stays available at run time)."""
+    module = _loader.load(verbose=verbose)
+    if module is None:
+        raise RuntimeError(f"acshim native extension did not build: {_loader.reason}")
+    return NativeStatus(path="native", reason=_loader.reason, build_directory=build_directory(),
+                        cuda_pack=_cuda_pack_state())

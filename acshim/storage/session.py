@@ -1,0 +1,255 @@
+"""One offload scope at work: the pack/unpack pair autograd calls, tiers, backends and the schedule.
+
+``pack`` runs when autograd saves a tensor in forward: it decides whether the tensor moves (tier,
+size floor, parameters stay), groups it, and issues its copy out when the schedule says so; it
+returns a ``StoredTensor`` handle that autograd keeps. ``unpack`` runs when backward needs it: it
+issues the prefetch window, waits for this tensor's copy in (usually long finished) and rebuilds it
+bit for bit. When autograd frees the handle, the tier space is released (``weakref.finalize``).
+Bound methods, not closures in ``__init__`` (torchtune's weak spot): each step is testable alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backends import Backend, TransferFailed, backend_for
+from ..backends.base import Ticket, Tier
+from .errors import OffloadIOError
+from .layout import Layout, from_bytes, movable, to_bytes
+from .scheduler import PrefetchScheduler
+
+_opt_out = threading.local()
+
+
+def opted_out() -> bool:
+    """True inside ``no_offload()`` on this thread."""
+    return getattr(_opt_out, "depth", 0) > 0
+
+
+@dataclass(frozen=True)
+class UnpackRecord:
+    """One tensor brought back: its group, whether its copy had already landed, seconds waited."""
+
+    group: int
+    ready: bool
+    waited: float
+
+
+@dataclass
+class OffloadStats:
+    """What one offload scope did (also how facade tests show that routing happened)."""
+
+    storage: str
+    prefetch: int
+    saved: int = 0
+    """Tensors autograd saved inside the scope."""
+    kept: int = 0
+    """Of those, left where they were: host tier on CPU, under ``min_bytes``, parameters, opted out."""
+    moved: int = 0
+    moved_bytes: int = 0
+    sent_out: int = 0
+    """Copies out issued (moved tensors minus those still resident in the last H groups)."""
+    fetched: int = 0
+    late: int = 0
+    """Unpacks whose copy in had not landed yet (backward waited)."""
+    wait_seconds: float = 0.0
+    unpacks: deque[UnpackRecord] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class StoredTensor:
+    """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
+
+    __slots__ = ("layout", "backend", "version", "group", "data", "out", "incoming", "uses", "pending_uses",
+                 "__weakref__")
+
+    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, version: int) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.version = version
+        self.group = -1
+        self.data: torch.Tensor | None = data
+        """The bytes while resident (not sent out yet), or kept after a failed write."""
+        self.out: Ticket | None = None
+        self.incoming: Ticket | None = None
+        self.uses = self.pending_uses = 1
+
+
+class OffloadSession:
+    """Pack/unpack for one scope. ``per_tensor_groups``: each moved tensor is its own group
+    (``offload()``); otherwise the owner calls ``start_group()`` per region (``boundary_offload``)."""
+
+    def __init__(self, storage: str, prefetch: int, min_bytes: int, tier: Tier,
+                 backend: Backend | None = None, per_tensor_groups: bool = True) -> None:
+        self.storage = storage
+        self.min_bytes = min_bytes
+        self.tier = tier
+        self.backend_override = backend
+        self.per_tensor_groups = per_tensor_groups
+        self.scheduler = PrefetchScheduler(prefetch)
+        self.stats = OffloadStats(storage, prefetch)
+        self._writing: deque[StoredTensor] = deque()
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[StoredTensor]]] = {}
+        self._lock = threading.RLock()
+        _notify_recorders(self)
+
+    # ---------------------------------------------------------------------------------- forward
+
+    def _backend_for(self, tensor: torch.Tensor) -> Backend | None:
+        if self.backend_override is not None:
+            return self.backend_override
+        if self.storage == "host" and tensor.device.type == "cpu":
+            return None  # already in host memory: keeping it is free and exact
+        return backend_for(tensor.device)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """saved_tensors_hooks pack: a ``StoredTensor`` for a moved tensor, else the tensor itself."""
+        with self._lock:
+            self.stats.saved += 1
+            backend = None if opted_out() or not movable(tensor, self.min_bytes) else self._backend_for(tensor)
+            if backend is None:
+                self.stats.kept += 1
+                return tensor
+            self.raise_write_errors(wait=False)
+            handle = self._already_saved(tensor)
+            if handle is not None:
+                handle.uses += 1
+                handle.pending_uses += 1
+                self.scheduler.regroup(handle, sent_out=handle.out is not None)
+                return handle
+            data, layout = to_bytes(tensor)
+            handle = StoredTensor(layout, backend, data, tensor._version)
+            self._remember(tensor, handle)
+            self.stats.moved += 1
+            self.stats.moved_bytes += layout.nbytes
+            if self.per_tensor_groups:
+                self.start_group()
+            if self.scheduler.add(handle):
+                self._send_out(handle)
+            return handle
+
+    def start_group(self) -> None:
+        """Open the next group; send out the groups that left the resident window."""
+        with self._lock:
+            for handle in self.scheduler.start_group():
+                self._send_out(handle)
+
+    def _send_out(self, handle: StoredTensor) -> None:
+        if handle.data is None or handle.out is not None:
+            return
+        handle.out = handle.backend.copy_out(handle.data, self.tier)
+        handle.data = None
+        weakref.finalize(handle, handle.backend.release, handle.out, self.tier)
+        self.scheduler.sent_out(handle)
+        self._writing.append(handle)
+        self.stats.sent_out += 1
+
+    def _already_saved(self, tensor: torch.Tensor) -> StoredTensor | None:
+        entry = self._seen.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        handle = entry[1]()
+        return handle if handle is not None and handle.version == tensor._version else None
+
+    def _remember(self, tensor: torch.Tensor, handle: StoredTensor) -> None:
+        key = id(tensor)
+        seen = self._seen
+
+        def forget(_: object) -> None:  # the tensor died: its id may be reused
+            seen.pop(key, None)
+
+        seen[key] = (weakref.ref(tensor, forget), weakref.ref(handle))
+
+    def raise_write_errors(self, wait: bool) -> None:
+        """Raise ``OffloadIOError`` for a finished copy out that failed (``wait``: for all issued
+        copies). The failed tensor is kept in memory, so its graph still works."""
+        failures: list[tuple[StoredTensor, TransferFailed]] = []
+        with self._lock:
+            while self._writing and (wait or self._writing[0].backend.done(self._writing[0].out)):
+                handle = self._writing.popleft()
+                try:
+                    handle.backend.wait(handle.out)
+                except TransferFailed as failure:
+                    handle.data, handle.out = failure.data, None
+                    failures.append((handle, failure))
+        if failures:
+            handle, failure = failures[0]
+            raise _io_error("writing", handle.layout.nbytes, len(failures), self.tier, failure.error)
+
+    def forward_end(self) -> None:
+        """The scope's forward is over: wait for the copies out and raise if any failed."""
+        self.raise_write_errors(wait=True)
+
+    # --------------------------------------------------------------------------------- backward
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """saved_tensors_hooks unpack: the saved tensor, bitwise as it was saved."""
+        if not isinstance(packed, StoredTensor):
+            return packed
+        handle = packed
+        with self._lock:
+            for due in self.scheduler.due_for_fetch(handle.group):
+                self._fetch(due)
+            if handle.data is None and handle.incoming is None:
+                self.scheduler.record_fetch(handle, handle.group)
+                self._fetch(handle)
+        data = self._wait(handle)
+        with self._lock:
+            handle.pending_uses -= 1
+            if handle.pending_uses == 0:  # every saver has it: drop the loaded copy
+                handle.incoming, handle.pending_uses = None, handle.uses
+        return from_bytes(data, handle.layout)
+
+    def _fetch(self, handle: StoredTensor) -> None:
+        if handle.data is None and handle.incoming is None and handle.out is not None:
+            handle.incoming = handle.backend.copy_in(handle.out, self.tier)
+            self.stats.fetched += 1
+
+    def _wait(self, handle: StoredTensor) -> torch.Tensor:
+        if handle.data is not None:
+            self.stats.unpacks.append(UnpackRecord(handle.group, True, 0.0))
+            return handle.data
+        ticket = handle.incoming
+        ready = handle.backend.done(ticket)
+        start = time.perf_counter()
+        try:
+            data = handle.backend.wait(ticket)
+        except TransferFailed as failure:
+            handle.data, handle.out, handle.incoming = failure.data, None, None
+            raise _io_error("writing", handle.layout.nbytes, 1, self.tier, failure.error) from failure.error
+        except OSError as error:
+            handle.incoming = None
+            raise _io_error("reading back", handle.layout.nbytes, 1, self.tier, error) from error
+        waited = time.perf_counter() - start
+        self.stats.unpacks.append(UnpackRecord(handle.group, ready, waited))
+        self.stats.late += not ready
+        self.stats.wait_seconds += waited
+        return data
+
+
+def _io_error(action: str, nbytes: int, count: int, tier: Tier, error: OSError) -> OffloadIOError:
+    where = getattr(tier, "directory", None)
+    place = f"the disk tier in {where!r}" if where else f"the {tier.kind} tier"
+    more = f" (and {count - 1} more)" if count > 1 else ""
+    hint = ("free space there, pass directory= on a larger disk, or use storage='host'" if where
+            else "check host memory")
+    preposition = "to" if action == "writing" else "from"
+    return OffloadIOError(error.errno, f"acshim offload: {action} a saved tensor of {nbytes} bytes{more} {preposition} {place} "
+                          f"failed: {error.strerror or error}. The tensor is kept in memory, nothing computed is "
+                          f"lost; {hint}.")
+
+
+# ------------------------------------------------------------------------------------- recording
+
+_recorders: list[list[OffloadSession]] = []
+
+
+def _notify_recorders(session: OffloadSession) -> None:
+    for sessions in _recorders:
+        sessions.append(session)
