@@ -109,7 +109,7 @@ class DiskTier:
         self.directory = check_directory(directory)
         self.want_direct = direct is not False
         self.file_bytes = file_bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a garbage-collected handle may free a slot while we hold it
         self._current: _File | None = None
 
     def _reserve(self, nbytes: int) -> FileSlot:

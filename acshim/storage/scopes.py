@@ -15,6 +15,7 @@ from ..backends import Backend
 from . import native
 from .defaults import get_defaults, validate
 from .disk import DiskTier, check_directory
+from .errors import OffloadIOError
 from .host import HostTier
 from .session import OffloadSession, OffloadStats, _opt_out, _recorders
 
@@ -113,6 +114,9 @@ class OffloadActivations:
         hooks.__exit__(exc_type, exc, traceback)
         if exc_type is None:
             session.forward_end()
+            return
+        with contextlib.suppress(OffloadIOError):  # forward failed: its exception is the one to see
+            session.forward_end()  # but let the copies finish, so the files are freed with the graph
 
 
 def offload(storage: str | None = None, prefetch: int | None = None, directory: str | None = None,

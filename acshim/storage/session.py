@@ -176,6 +176,7 @@ class OffloadSession:
                 try:
                     handle.backend.wait(handle.out)
                 except TransferFailed as failure:
+                    _drop_traceback(failure)
                     handle.data, handle.out = failure.data, None
                     failures.append((handle, failure))
         if failures:
@@ -221,6 +222,7 @@ class OffloadSession:
         try:
             data = handle.backend.wait(ticket)
         except TransferFailed as failure:
+            _drop_traceback(failure)
             handle.data, handle.out, handle.incoming = failure.data, None, None
             raise _io_error("writing", handle.layout.nbytes, 1, self.tier, failure.error) from failure.error
         except OSError as error:
@@ -231,6 +233,13 @@ class OffloadSession:
         self.stats.late += not ready
         self.stats.wait_seconds += waited
         return data
+
+
+def _drop_traceback(failure: TransferFailed) -> None:
+    # The failure object lives on in its future, which the handle's finalizer keeps; re-raising it
+    # here attached our frame (holding handles) to it: a cycle through the finalizer registry that
+    # would keep the handles, their files and their tensors alive forever.
+    failure.with_traceback(None)
 
 
 def _io_error(action: str, nbytes: int, count: int, tier: Tier, error: OSError) -> OffloadIOError:

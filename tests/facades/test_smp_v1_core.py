@@ -105,12 +105,37 @@ def test_more_than_one_partition_warns_and_runs_in_this_process():
 def test_offload_is_only_active_with_more_than_one_microbatch():
     smp.init({"offload_activations": True})
     assert offload.offload_status(smp.state.cfg).startswith("inactive: offload_activations needs microbatches > 1")
-    smp.init({"offload_activations": True, "microbatches": 2, "activation_loading_horizon": 2})
-    status = offload.offload_status(smp.state.cfg)
-    assert status == "live" or status.startswith("unavailable: acshim.storage")
+    assert smp.state.offload_scope() is None
     smp.init({"microbatches": 2})
-    assert offload.offload_status(smp.state.cfg) == "off"
-    assert offload.saved_tensors_scope(smp.state.cfg) is None
+    assert offload.offload_status(smp.state.cfg) == "off" and smp.state.offload_scope() is None
+    smp.init({"offload_activations": True, "microbatches": 2, "activation_loading_horizon": 3})
+    assert offload.offload_status(smp.state.cfg) == "live"
+    scope = smp.state.offload_scope()
+    assert scope is smp.state.offload_scope()  # one schedule shared by every region
+    assert (scope.options.storage, scope.options.prefetch) == ("host", 3)
+
+
+def _offload_run(offload_activations):
+    smp.state.reset()
+    smp.init({"microbatches": 2, "offload_activations": offload_activations})
+    model = smp.DistributedModel(seeded(lambda: tiny_sequential(3, width=16)))
+    smp.set_activation_checkpointing(model.get_module(), strategy="each")
+
+    @smp.step
+    def train(model, data):
+        model.backward(model(data).square().mean())
+
+    torch.manual_seed(1)
+    train(model, torch.randn(4, 16))
+    return [p.grad for p in model.parameters()], smp.state.offload_scope()
+
+
+def test_offload_activations_routes_region_inputs_to_the_engine_storage_tier():
+    expected, no_scope = _offload_run(False)
+    actual, scope = _offload_run(True)
+    assert no_scope is None
+    assert all(torch.equal(e, a) for e, a in zip(expected, actual, strict=True))
+    assert scope.stats.saved >= 6  # 3 regions x 2 microbatches handed their boundary inputs to the tier
 
 
 # ---- DistributedModel / DistributedOptimizer -----------------------------------------------------

@@ -17,17 +17,21 @@ from acshim.facades.torch.distributed.algorithms._checkpoint.checkpoint_wrapper 
     checkpoint_wrapper,
     offload_wrapper,
 )
+from acshim.facades.torch.sagemaker import _offload as tsm_offload
 from acshim.facades.torch.sagemaker import grad_norm
-from acshim.facades.torch.sagemaker import offload as tsm_offload
 from acshim.rng import get_rng_tracker
 from acshim.testing import MLPBlock, hf_inputs, hf_model, seeded, tiny_sequential
 
 
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
+    from acshim import storage
+
     monkeypatch.delenv("SM_HP_MP_PARAMETERS", raising=False)
     tsm._state.state.reset()
+    previous = storage.get_defaults()
     yield
+    storage.set_defaults(**vars(previous))  # tsm.init writes process-wide engine defaults
     tsm._state.state.reset()
 
 
@@ -97,12 +101,12 @@ def test_unknown_keys_warn_and_are_ignored():
 def test_offloading_flags_map_to_the_engine_prefetch_horizon():
     assert tsm_offload.engine_defaults(True, 3) == {"prefetch": 3}
     assert tsm_offload.engine_defaults(False, 3) == {"prefetch": 0}  # native offloading: no prefetch
+    from acshim import storage
+
     tsm.init({"activation_loading_horizon": 3})
-    status = tsm.state.offload_status
-    assert status == "live" or status.startswith("unavailable: acshim.storage")
-    if status == "live":
-        from acshim import storage
-        assert storage.get_defaults()["prefetch"] == 3
+    assert tsm.state.offload_status == "live" and storage.get_defaults().prefetch == 3
+    tsm.init({"activation_loading_horizon": 3, "sm_activation_offloading": False})
+    assert storage.get_defaults().prefetch == 0
 
 
 def test_transform_with_degree_1_returns_the_same_model():

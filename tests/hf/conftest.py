@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import acshim.hf as hf  # noqa: E402
-from acshim.hf.caching import warn_use_cache_once  # noqa: E402
+import acshim.hf as hf
+from acshim.hf.caching import warn_use_cache_once
 
 
 @pytest.fixture(autouse=True)

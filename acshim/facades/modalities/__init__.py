@@ -16,7 +16,7 @@ _FACADE_AC = "acshim.facades.modalities.training.activation_checkpointing.activa
 # on the class (not the class itself), so every module holding a reference to the class sees it.
 ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     (_AC, "ActivationCheckpointing.apply_activation_checkpointing_",
-     f"{_FACADE_AC}.ActivationCheckpointing.apply_activation_checkpointing_"),
+     f"{_FACADE_AC}._apply_activation_checkpointing_staticmethod"),
     (_AC, "apply_activation_checkpointing_fsdp1_inplace", f"{_FACADE_AC}.apply_activation_checkpointing_fsdp1_inplace"),
 ]
 

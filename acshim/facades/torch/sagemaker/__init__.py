@@ -15,10 +15,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+import torch
 
-from . import config as _config
-from . import offload as _offload
+# ``torch`` rather than ``from torch import nn``: importing the submodule ``torch.sagemaker.nn`` rebinds ``nn`` here.
+from . import _config, _offload
 from ._state import state, world
 
 ACSHIM_PATCHES: list[tuple[str, str, str]] = []
@@ -42,8 +42,8 @@ def is_initialized() -> bool:
     return state.initialized
 
 
-def transform(model: nn.Module, device: Any = None, dtype: Any = None, config: Any = None,
-              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> nn.Module:
+def transform(model: torch.nn.Module, device: Any = None, dtype: Any = None, config: Any = None,
+              load_state_dict_from_rank0: bool = False, cp_comm_type: str = "p2p") -> torch.nn.Module:
     """SMP swaps supported Hugging Face models for its tensor/expert/context-parallel implementation.
 
     With all three degrees 1 (the native fallback, the only case one process can have) there is
@@ -51,8 +51,8 @@ def transform(model: nn.Module, device: Any = None, dtype: Any = None, config: A
     given. A ``config`` (``MoEConfig``) asks for SMP's expert-parallel MoE implementation, which acshim
     does not provide: ``NotImplementedError``.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"torch.sagemaker.transform takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"torch.sagemaker.transform takes an torch.nn.Module, got {type(model).__name__}")
     if config is not None:
         raise NotImplementedError(
             "torch.sagemaker.transform(config=MoEConfig(...)) swaps in SMP's expert-parallel MoE implementation, "

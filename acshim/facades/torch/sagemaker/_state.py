@@ -17,7 +17,7 @@ import torch
 
 from acshim.rng import get_rng_tracker
 
-from .config import DEFAULTS
+from ._config import DEFAULTS
 
 
 def world() -> tuple[int, int]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from acshim import structures
-from acshim.facades.torch.distributed.algorithms._checkpoint._storage import host_offload_scope
+from acshim.facades.torch.distributed.algorithms._checkpoint._storage import host_boundary_offload
 from acshim.options import RegionOptions
 from acshim.region import run_region
 from acshim.state import (
@@ -48,7 +48,7 @@ ThreadLocalCheckpointingState = type(thread_local)
 
 def _region_options(offload_to_cpu: Any) -> RegionOptions:
     return RegionOptions(reentrant=True, preserve_rng_state=True,
-                         saved_tensors_scope=host_offload_scope if offload_to_cpu else None)
+                         saved_tensors_scope=host_boundary_offload() if offload_to_cpu else None)
 
 
 def _needs_grad(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -207,6 +207,11 @@ class ActivationCheckpointing:
         return ptd_checkpoint_wrapper(module, context_fn=context_fn, preserve_rng_state=True)
 
 
+_apply_activation_checkpointing_staticmethod = ActivationCheckpointing.__dict__["apply_activation_checkpointing_"]
+"""The staticmethod object itself: ``ACSHIM_PATCHES`` puts it on the real class in place of
+upstream's, so calls through the class and through instances both work."""
+
+
 __all__ = [
     "ActivationCheckpointing", "ActivationCheckpointingVariants", "apply_activation_checkpointing_fsdp1_inplace",
     "is_module_to_apply_activation_checkpointing",

@@ -14,7 +14,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import amp, nn, patches
+from . import amp as amp
+from . import nn as nn
+from . import patches as patches
 from .comm import (
     DP_GROUP,
     MP_GROUP,
@@ -61,7 +63,7 @@ from .comm import (
     tp_rank,
     tp_size,
 )
-from .config import SMPConfig, parse_config
+from .config import parse_config
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .patches.checkpoint import checkpoint, set_activation_checkpointing
@@ -113,7 +115,7 @@ def num_microbatches() -> int:
 
 __all__ = [
     "init", "is_initialized", "reset", "num_microbatches", "step", "StepOutput", "DistributedModel",
-    "DistributedOptimizer", "checkpoint", "set_activation_checkpointing", "patches", "amp", "nn",
+    "DistributedOptimizer", "checkpoint", "set_activation_checkpointing",
     "partition", "set_partition", "tensor_parallelism", "set_tensor_parallelism", "delay_param_initialization",
     "model_creation", "is_tracing", "save", "load", "save_checkpoint", "resume_from_checkpoint",
     "rank", "size", "local_rank", "local_size", "dp_rank", "dp_size", "mp_rank", "mp_size", "pp_rank",
@@ -122,5 +124,5 @@ __all__ = [
     "get_pp_process_group", "get_tp_process_group", "get_rdp_process_group", "barrier", "dp_barrier",
     "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier", "broadcast", "allgather", "gather", "send",
     "recv_from", "CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP", "PP_GROUP", "TP_GROUP", "RDP_GROUP",
-    "SMPConfig", "state",
+    "state",
 ]

@@ -106,3 +106,13 @@ def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
 
 def recv_from(src_rank: int, rank_type: RankType) -> Any:
     raise SMPUnsupportedError(f"smp.recv_from rank {src_rank}: a single process has no other rank to receive from")
+
+__all__ = [
+    "RankType", "CommGroup", "WORLD", "PP_GROUP", "TP_GROUP", "RDP_GROUP", "DP_GROUP", "MP_GROUP", "rank",
+    "local_rank", "dp_rank", "mp_rank", "pp_rank", "tp_rank", "rdp_rank", "size", "local_size", "dp_size",
+    "mp_size", "pp_size", "tp_size", "rdp_size", "get_dp_group", "get_mp_group", "get_pp_group",
+    "get_tp_group", "get_rdp_group", "get_world_process_group", "get_dp_process_group",
+    "get_mp_process_group", "get_pp_process_group", "get_tp_process_group", "get_rdp_process_group",
+    "barrier", "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier", "broadcast",
+    "allgather", "gather", "send", "recv_from",
+]

@@ -186,3 +186,5 @@ def parse_config(config: Mapping[str, Any] | None = None, *, use_environment: bo
             values[name] = key.default
     _cross_checks(values, set(merged))
     return SMPConfig(values, frozenset(merged))
+
+__all__ = []

@@ -65,3 +65,18 @@ class MultipleDistributedModelError(SMPValidationError):
 
 class SMPUnsupportedError(RuntimeError):
     """Something the single-process facade cannot do truthfully (e.g. point-to-point messages)."""
+
+__all__ = [
+    "SMPValidationError",
+    "SMPInvalidArgumentError",
+    "CheckpointingConfigError",
+    "NotAModuleError",
+    "TensorSplitError",
+    "InvalidStepOutputError",
+    "NotInitializedError",
+    "BwdExecutionNotInStepFnError",
+    "DistributedModelNotWrappedError",
+    "ModelNotPartitionedError",
+    "MultipleDistributedModelError",
+    "SMPUnsupportedError",
+]

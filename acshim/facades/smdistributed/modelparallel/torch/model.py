@@ -165,3 +165,5 @@ class DistributedModel(nn.Module):
         if not state.config().ddp:
             raise SMPUnsupportedError("join is only supported when using DDP. Please set ddp=True in SMP config")
         yield
+
+__all__ = ["DistributedModel"]

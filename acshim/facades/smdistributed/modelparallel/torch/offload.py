@@ -53,3 +53,5 @@ def saved_tensors_scope(cfg: SMPConfig) -> Callable[[], AbstractContextManager[A
     factory = _boundary_offload()
     assert factory is not None  # offload_status returned "live"
     return factory(storage="host", prefetch=cfg.activation_loading_horizon)
+
+__all__ = []

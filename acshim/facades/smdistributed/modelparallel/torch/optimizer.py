@@ -68,3 +68,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, value: dict[str, Any]) -> None:
         self.__dict__.update(value)
+
+__all__ = ["DistributedOptimizer"]

@@ -71,3 +71,5 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
 def is_tracing() -> bool:
     """Upstream traces the model at the first step to partition it; one partition needs no trace."""
     return False
+
+__all__ = ["delay_param_initialization", "is_tracing", "model_creation", "partition", "set_partition", "set_tensor_parallelism", "tensor_parallelism"]

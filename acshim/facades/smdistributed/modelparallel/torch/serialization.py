@@ -44,3 +44,5 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     raise NotImplementedError(
         "smp.resume_from_checkpoint reads SMP's sharded checkpoint layout, which acshim does not provide; load "
         "a state dict with smp.load or torch.load and call model.load_state_dict / optimizer.load_state_dict")
+
+__all__ = ["load", "resume_from_checkpoint", "save", "save_checkpoint"]

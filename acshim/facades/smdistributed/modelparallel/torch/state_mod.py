@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import offload
 from .config import SMPConfig, parse_config
 from .exceptions import NotInitializedError
 
@@ -22,6 +23,8 @@ class SMPState:
     in_step_func: bool = False
     microbatch: int = 0
     post_partition_hooks: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # weakref-able
+    _offload_scope: Any = None
+    _offload_scope_config: SMPConfig | None = None
 
     @property
     def initialized(self) -> bool:
@@ -35,6 +38,15 @@ class SMPState:
         if self.cfg is None:
             raise NotInitializedError()
         return self.cfg
+
+    def offload_scope(self) -> Any:
+        """The one ``saved_tensors_scope`` shared by every region of this config (so all regions
+        share one prefetch schedule), or None when the config offloads nothing."""
+        cfg = self.config()
+        if self._offload_scope_config is not cfg:
+            self._offload_scope = offload.saved_tensors_scope(cfg)
+            self._offload_scope_config = cfg
+        return self._offload_scope
 
     def num_microbatches(self) -> int:
         return self.config().microbatches
@@ -51,6 +63,9 @@ class SMPState:
         """Back to the state before ``smp.init``."""
         self.reset_model_state()
         self.cfg = None
+        self._offload_scope = self._offload_scope_config = None
 
 
 state = SMPState()
+
+__all__ = ["state"]

@@ -184,3 +184,5 @@ def step(func: Callable[..., Any] | None = None, non_split_inputs: Sequence[str]
                             detach_outputs=detach_outputs)
 
     return decorate if func is None else decorate(func)
+
+__all__ = ["StepOutput", "step"]

@@ -25,7 +25,6 @@ from acshim.policy import strategy_groups
 from acshim.region import run_region
 from acshim.wrap import CheckpointedSequentialForward, checkpoint_module, checkpoint_sequential_groups
 
-from .. import offload
 from ..exceptions import CheckpointingConfigError, DistributedModelNotWrappedError, NotAModuleError
 from ..state_mod import state
 
@@ -37,7 +36,7 @@ def region_options(preserve_rng_state: bool = True) -> RegionOptions:
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
     return RegionOptions(reentrant=True, preserve_rng_state=preserve_rng_state,
-                         saved_tensors_scope=offload.saved_tensors_scope(state.config()))
+                         saved_tensors_scope=state.offload_scope())
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:

@@ -32,8 +32,9 @@ from torch import nn
 from torch.distributed.utils import _pack_kwargs, _unpack_kwargs
 
 from acshim.dropin import checkpoint as acshim_checkpoint
+from acshim.facades.torch.distributed import ACSHIM_PATCHES  # this module is the torch dialect's facade root
 
-from ._storage import host_offload_scope, offload_scope
+from ._storage import host_boundary_offload, offload_scope
 
 
 def _original(obj: Any) -> Any:
@@ -63,16 +64,17 @@ class CheckpointWrapper(_TorchCheckpointWrapper):
                  checkpoint_fn: Callable[..., Any] | None = None, **checkpoint_fn_kwargs: Any) -> None:
         ActivationWrapper.__init__(self, mod)
         self.checkpoint_impl = checkpoint_impl
-        self._offload_inputs = False
+        self._inputs_scope = None
+        if checkpoint_fn is None and checkpoint_fn_kwargs.pop("offload_to_cpu", False):
+            self._inputs_scope = host_boundary_offload()
         if checkpoint_fn is None:
-            self._offload_inputs = bool(checkpoint_fn_kwargs.pop("offload_to_cpu", False))
             self.checkpoint_fn = partial(acshim_checkpoint, use_reentrant=checkpoint_impl == CheckpointImpl.REENTRANT,
                                          **checkpoint_fn_kwargs)
         else:
             self.checkpoint_fn = partial(checkpoint_fn, **checkpoint_fn_kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        scope = host_offload_scope() if self._offload_inputs else contextlib.nullcontext()
+        scope = self._inputs_scope() if self._inputs_scope is not None else contextlib.nullcontext()
         with scope:
             if self.checkpoint_impl == CheckpointImpl.REENTRANT and kwargs:
                 # Reentrant checkpoint functions take positional inputs only: pack the keyword
@@ -131,6 +133,6 @@ def apply_activation_checkpointing(
 
 
 __all__ = [
-    "ActivationWrapper", "CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "_CHECKPOINT_PREFIX",
+    "ACSHIM_PATCHES", "ActivationWrapper", "CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "_CHECKPOINT_PREFIX",
     "_CHECKPOINT_WRAPPED_MODULE", "apply_activation_checkpointing", "checkpoint_wrapper", "offload_wrapper",
 ]

@@ -1,0 +1,308 @@
+"""The ``acshim`` command: run scripts on acshim, show the compat matrix, check the installation.
+
+    acshim run [--hf] [--children] script.py [args...]   run a script unchanged, patches installed
+    acshim run [--hf] [--children] -m module [args...]   the same for ``python -m module``
+    acshim compat [--markdown] [--dialect D] [--status S] [--write | --check]
+    acshim doctor                                        versions, devices, what would be patched
+    acshim build-ext                                     compile the native I/O extension now
+    acshim demo [args...]                                the README's memory/gradient demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+RUN_USAGE = "acshim run [--hf] [--children] (script.py | -m module) [args...]"
+RUN_HELP = f"""usage: {RUN_USAGE}
+
+Run a training script written for DeepSpeed, FairScale, SageMaker model parallelism, PyTorch's
+checkpoint_wrapper, Modalities or Hugging Face on acshim, unchanged: as `python script.py args`
+would (same sys.argv, __main__, sys.path[0], exit code and traceback), with acshim.install() done.
+
+options (before the script; everything after it goes to the script):
+  --hf        also checkpoint every Hugging Face model automatically (acshim.patch_transformers())
+  --children  patch child Python processes too (torchrun workers, multiprocessing spawn);
+              same as ACSHIM_PATCH_CHILDREN=1 in the environment. Off by default.
+  -m module   run a module as `python -m module` does
+  -h, --help  show this help
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``acshim`` console script and ``python -m acshim``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        return run_command(argv[1:])
+    if argv and argv[0] == "demo":  # everything after ``demo`` is the demo's own
+        return demo_command(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    return args.handler(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acshim", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="command", metavar="command")
+    verbs.add_parser("run", help="run a script with acshim's patches installed", usage=RUN_USAGE, add_help=False)
+
+    compat = verbs.add_parser("compat", help="print the compatibility matrix")
+    compat.add_argument("--markdown", action="store_true", help="print Markdown (as compat_matrix/README.md)")
+    compat.add_argument("--dialect", action="append", default=[], help="only this dialect (repeatable)")
+    compat.add_argument("--status", action="append", default=[], help="only this status (repeatable)")
+    group = compat.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true", help="regenerate compat_matrix/README.md")
+    group.add_argument("--check", action="store_true", help="exit 1 if compat_matrix/README.md is stale")
+    compat.set_defaults(handler=compat_command)
+
+    doctor = verbs.add_parser("doctor", help="show versions, devices and what acshim would patch")
+    doctor.set_defaults(handler=doctor_command)
+
+    build = verbs.add_parser("build-ext", help="compile the native I/O extension now")
+    build.set_defaults(handler=build_ext_command)
+
+    verbs.add_parser("demo", help="the README demo: same gradients, less memory", add_help=False)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------------
+# run
+
+
+def _parse_run(argv: list[str]) -> tuple[dict[str, bool], str | None, str | None, list[str]] | str:
+    """Options up to the script (or ``-m module``); the rest belongs to the script untouched."""
+    flags = {"hf": False, "children": False}
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg in ("-h", "--help"):
+            return "help"
+        if arg == "--hf":
+            flags["hf"] = True
+        elif arg == "--children":
+            flags["children"] = True
+        elif arg == "-m" or (arg.startswith("-m") and len(arg) > 2):
+            module = arg[2:] or (argv[index + 1] if index + 1 < len(argv) else "")
+            if not module:
+                return "acshim run: argument -m: expected a module name"
+            rest = argv[index + (1 if arg[2:] else 2):]
+            return flags, None, module, rest
+        elif arg == "--":
+            index += 1
+            break
+        elif arg.startswith("-"):
+            return f"acshim run: unknown option {arg!r} (options go before the script; see acshim run --help)"
+        else:
+            break
+        index += 1
+    if index >= len(argv):
+        return "acshim run: the script to run is missing"
+    return flags, argv[index], None, argv[index + 1:]
+
+
+def run_command(argv: list[str]) -> int:
+    """``acshim run``: exit code 0, the script's own ``SystemExit`` code, 1 on an uncaught
+    exception (traceback printed as python prints it), 2 on a usage error or missing script."""
+    parsed = _parse_run(argv)
+    if parsed == "help":
+        print(RUN_HELP, end="")
+        return 0
+    if isinstance(parsed, str):
+        print(f"usage: {RUN_USAGE}\n{parsed}", file=sys.stderr)
+        return 2
+    flags, script, module, args = parsed
+    if script is not None and not os.path.isfile(script):
+        print(f"acshim run: can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory",
+              file=sys.stderr)
+        return 2
+
+    from .patching import install
+    from .patching.children import children_requested, enable_children
+    from .patching.runner import run_module, run_script, script_traceback
+
+    if flags["children"] or children_requested():
+        enable_children(hf=flags["hf"])
+    install(hf=flags["hf"])
+    if module is not None:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            print(f"acshim run: No module named {module}", file=sys.stderr)
+            return 1
+    try:
+        if module is not None:
+            run_module(module, args)
+        else:
+            run_script(script, args)
+    except (SystemExit, KeyboardInterrupt):
+        raise  # python's own handling gives the exit status
+    except BaseException as error:
+        filename = os.path.abspath(script) if script is not None else None
+        trimmed = script_traceback(error, filename)
+        sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# compat
+
+
+def compat_command(args: argparse.Namespace) -> int:
+    from . import compat
+
+    try:
+        if args.write:
+            print(f"wrote {compat.write_readme()}")
+            return 0
+        if args.check:
+            if compat.readme_is_current():
+                return 0
+            print("compat_matrix/README.md is stale: run `acshim compat --write`", file=sys.stderr)
+            return 1
+        unknown = sorted(set(args.status) - set(compat.STATUSES))
+        if unknown:
+            print(f"acshim compat: unknown status {unknown}; use {', '.join(compat.STATUSES)}", file=sys.stderr)
+            return 2
+        rows = compat.filter_rows(compat.load_rows(), args.dialect, args.status)
+    except (FileNotFoundError, compat.CompatError) as error:
+        print(f"acshim compat: {error}", file=sys.stderr)
+        return 1
+    print(compat.render_markdown(rows) if args.markdown else compat.render_text(rows), end="")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# doctor
+
+
+def _version(distribution: str | None) -> str:
+    if distribution is None:
+        return "-"
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _optional_module(name: str) -> ModuleType | None:
+    """Import ``name`` if this acshim has it (parts are written by different people)."""
+    from .patching.dialects import module_exists
+
+    return importlib.import_module(name) if module_exists(name) else None
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    import torch
+
+    import acshim
+
+    from .patching import DIALECTS, current, install, uninstall
+    from .patching.children import CHILDREN_ENV, children_requested
+
+    print(f"acshim {acshim.__version__} ({os.path.dirname(acshim.__file__)})")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, device: {_device_summary(torch)}")
+    was_installed = current() is not None
+    installation = install()
+    try:
+        print(f"patches in this process: {'installed' if was_installed else 'not installed (acshim run installs them)'}")
+        print(f"child processes: {'patched' if children_requested() else 'not patched'} "
+              f"({CHILDREN_ENV}={os.environ.get(CHILDREN_ENV, '<unset>')})")
+        print()
+        print(f"{'dialect':<16} {'import name':<30} {'installed':<14} acshim serves it as")
+        for dialect in DIALECTS:
+            report = installation.reports[dialect.name]
+            print(f"{dialect.name:<16} {_short(dialect.upstream, 30):<30} {_version(dialect.distribution):<14} "
+                  f"{_describe_mode(report)}")
+            for why in report.missing:
+                print(f"{'':<16}   skipped: {why}")
+        transformers_version = _version("transformers")
+        hf = "acshim.hf routes gradient_checkpointing_enable & co. to the engine" if installation.transformers \
+            else "not patched (transformers not installed or acshim.hf missing)"
+        print(f"{'transformers':<16} {'transformers':<30} {transformers_version:<14} {hf}")
+    finally:
+        if not was_installed:
+            uninstall()
+    print()
+    print(f"native extension: {_native_status()}")
+    return 0
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
+def _describe_mode(report: object) -> str:
+    mode = report.mode  # type: ignore[attr-defined]
+    if mode == "shim":
+        return f"facade under the upstream name ({report.dialect.facade})"  # type: ignore[attr-defined]
+    if mode == "no facade":
+        return "not covered by this acshim (no facade package)"
+    now, later = report.patched_now, report.deferred  # type: ignore[attr-defined]
+    parts = []
+    if now:
+        parts.append(f"{len(now)} entry points patched in place")
+    if later:
+        parts.append(f"in place at first import of {len(later)} module(s)")
+    return "upstream kept; " + ("; ".join(parts) if parts else "no entry points listed to patch")
+
+
+def _device_summary(torch: ModuleType) -> str:
+    from .rng import default_device_type
+
+    device = default_device_type()
+    if device == "cuda":
+        return f"cuda ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})"
+    return device if device != "cpu" else "cpu (no accelerator found)"
+
+
+def _native_status() -> str:
+    native = _optional_module("acshim.storage.native")
+    status = getattr(native, "status", None)
+    if status is None:
+        return "unknown (this acshim has no acshim.storage.native.status)"
+    try:
+        return str(status(load=False)) + " (acshim build-ext compiles it)"
+    except TypeError:
+        return str(status())
+
+
+# --------------------------------------------------------------------------------------------------
+# build-ext, demo
+
+
+def build_ext_command(args: argparse.Namespace) -> int:
+    native = _optional_module("acshim.storage.native")
+    build = getattr(native, "build", None)
+    if build is None:
+        print("acshim build-ext: this acshim has no native extension to build (acshim.storage.native.build "
+              "is missing); the Python I/O path is used", file=sys.stderr)
+        return 1
+    try:
+        status = build()
+    except RuntimeError as error:
+        print(f"acshim build-ext: {error}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0
+
+
+def demo_command(argv: list[str]) -> int:
+    demo = _optional_module("acshim.demo")
+    if demo is None or not callable(getattr(demo, "main", None)):
+        print("acshim demo: not available in this acshim (acshim.demo.main is missing)", file=sys.stderr)
+        return 2
+    return int(demo.main(argv) or 0)

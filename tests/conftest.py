@@ -1,0 +1,62 @@
+"""Shared pytest setup, and the compat-matrix guard.
+
+The guard records every test's outcome; at the end of the session, a row of compat_matrix/*.toml
+that claims same/better/partial while a test it names failed or was skipped in this run fails the
+session (exit code 1) with a message naming the row. Rows whose tests did not run are not judged.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# One pytest session per process: its test outcomes (node id -> passed/failed/skipped) and the
+# rows found over-claiming at the end.
+_session: dict[str, dict | list] = {"outcomes": {}, "overclaims": []}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _session["outcomes"], _session["overclaims"] = {}, []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # A test is as good as its worst phase: a failing teardown fails a passed call.
+    if report.failed:
+        outcome = "failed"
+    elif report.skipped:
+        outcome = "skipped"
+    elif report.when == "call":
+        outcome = "passed"
+    else:
+        return
+    outcomes = _session["outcomes"]
+    if outcomes.get(report.nodeid) in ("failed", "skipped") and outcome == "passed":
+        return
+    outcomes[report.nodeid] = outcome
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    outcomes = _session["outcomes"]
+    if not outcomes:
+        return
+    from acshim import compat
+
+    try:
+        rows = compat.load_rows()
+    except FileNotFoundError:
+        return  # no matrix next to this checkout: nothing to judge
+    except compat.CompatError as error:
+        messages = [f"compat matrix is invalid: {error}"]
+    else:
+        messages = compat.overclaims(rows, outcomes)
+    if messages:
+        _session["overclaims"] = messages
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    messages = _session["overclaims"]
+    if messages:
+        terminalreporter.section("compat matrix claims more than its tests show", red=True)
+        for message in messages:
+            terminalreporter.line(message, red=True)
+        terminalreporter.line("fix the test, or lower the row's status in compat_matrix/ (then acshim compat --write)")

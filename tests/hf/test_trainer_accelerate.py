@@ -1,0 +1,110 @@
+"""Trainer's checkpointing arguments and Accelerate's FSDP activation checkpointing on the engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+import acshim.hf as hf
+from acshim.hf.region import EngineCheckpointFunction
+from acshim.testing import assert_bitwise_equal, hf_inputs, hf_model, train_step
+
+
+def _losses(tmp_path, name, **checkpointing):
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(3))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, **checkpointing)
+    trainer = transformers.Trainer(model=hf_model("gpt2"), args=args, train_dataset=data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, trainer.model
+
+
+def test_trainer_gradient_checkpointing_matches_loss_curve(tmp_path, installed):
+    expected, _ = _losses(tmp_path, "plain")
+    actual, model = _losses(tmp_path, "gc", gradient_checkpointing=True,
+                            gradient_checkpointing_kwargs={"use_reentrant": True, "every_n_layers": 2})
+    assert len(expected) == 4 and actual == expected
+    function = model.transformer.h[0]._gradient_checkpointing_func
+    assert isinstance(function, EngineCheckpointFunction) and function.options.reentrant
+    assert [block.gradient_checkpointing for block in model.transformer.h] == [True, False, True]
+
+
+def test_single_process_accelerator_trains_autopatched_model_exactly(autopatched):
+    accelerate = pytest.importorskip("accelerate")
+    expected = train_step(hf_model("llama"), hf_inputs("llama"))
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = autopatched(lambda: hf_model("llama"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    torch.manual_seed(1)
+    loss = model(**hf_inputs("llama")).loss
+    accelerator.backward(loss)
+    actual = {"loss": loss.detach(), **{f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    expected = {k: v for k, v in expected.items() if not k.startswith("buffer:")}
+    assert_bitwise_equal(expected, actual)
+
+
+def test_fsdp2_apply_ac_is_replaced_and_restored(installed):
+    pytest.importorskip("accelerate")
+    import accelerate.accelerator
+    import accelerate.utils.fsdp_utils
+
+    assert accelerate.accelerator.fsdp2_apply_ac is hf.fsdp2_apply_ac
+    assert accelerate.utils.fsdp_utils.fsdp2_apply_ac is hf.fsdp2_apply_ac
+    hf.uninstall()
+    assert accelerate.accelerator.fsdp2_apply_ac is not hf.fsdp2_apply_ac
+    assert accelerate.utils.fsdp_utils.fsdp2_apply_ac.__module__ == "accelerate.utils.fsdp_utils"
+
+
+# Accelerate selects DistributedType.FSDP only for accelerator device types (state.py: MULTI_GPU,
+# MULTI_NPU, MULTI_XPU...); on a CPU-only machine Accelerator(fsdp_plugin=...) silently falls back to
+# DistributedType.NO. So this drives the same calls Accelerator._prepare_fsdp2 makes - the module-level
+# name accelerate.accelerator.fsdp2_apply_ac, then fully_shard - on a one-rank gloo group.
+FSDP2_SCRIPT = textwrap.dedent("""
+import os, sys, torch, warnings
+warnings.simplefilter("ignore")
+from types import SimpleNamespace
+import acshim.hf as hf
+hf.install()
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import accelerate.accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from acshim.testing import hf_model, hf_inputs, train_step
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=0, world_size=1)
+expected = train_step(hf_model("llama"), hf_inputs("llama"))
+plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True,
+                                        activation_checkpointing_offload=OFFLOAD, auto_wrap_policy="transformer_based_wrap")
+accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+model = hf_model("llama")
+plugin.set_auto_wrap_policy(model)
+model = accelerate.accelerator.fsdp2_apply_ac(accelerator, model)  # the name Accelerator._prepare_fsdp2 calls
+print("REGIONS", hf.acshim_regions(model))
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+actual = train_step(model, hf_inputs("llama"))
+full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+same = expected.keys() == actual.keys() and all(torch.equal(full(actual[k]), v) for k, v in expected.items())
+print("EQUAL", same)
+dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
+def test_fsdp2_activation_checkpointing_on_gloo_goes_through_engine(offload, tmp_path):
+    pytest.importorskip("accelerate")
+    result = subprocess.run([sys.executable, "-c", FSDP2_SCRIPT.replace("OFFLOAD", str(offload))],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REGIONS ['model.layers.0', 'model.layers.1', 'model.layers.2']" in result.stdout, result.stdout
+    assert "EQUAL True" in result.stdout, result.stdout

@@ -1,0 +1,96 @@
+"""Child processes get the patches only when asked (``--children`` / ``ACSHIM_PATCH_CHILDREN=1``)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import textwrap
+from pathlib import Path
+
+from acshim.patching.children import childsite_dir, enable_children
+from acshim.patching.dialects import TRIGGER_NAMES
+
+# A parent that starts a multiprocessing *spawn* child (a fresh interpreter, as torchrun's workers
+# are) and a plain `python -c` grandchild; each reports whether `smdistributed` (absent here)
+# imports, and from where. The top level stays light: spawn re-runs it in the child.
+SPAWNING_SCRIPT = """
+import multiprocessing as mp
+import os, subprocess, sys
+
+def probe(queue):
+    try:
+        import smdistributed.modelparallel.torch as smp
+        queue.put(smp.__name__)
+    except ImportError as error:
+        queue.put(f"ImportError: {error}")
+
+if __name__ == "__main__":
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=probe, args=(queue,))
+    child.start()
+    print("spawn child:", queue.get(timeout=600))
+    child.join()
+    code = "import smdistributed, sys; print(smdistributed.__name__)"
+    grandchild = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    print("subprocess:", grandchild.stdout.strip() or grandchild.stderr.strip().splitlines()[-1])
+    print("user sitecustomize ran:", os.environ.get("USER_SITECUSTOMIZE_RAN", "no"))
+"""
+
+
+def _write_project(tmp_path: Path) -> Path:
+    (tmp_path / "spawning.py").write_text(textwrap.dedent(SPAWNING_SCRIPT))
+    user_site = tmp_path / "user_site"
+    user_site.mkdir()
+    # A sitecustomize of the user's own, which acshim's must not shadow.
+    (user_site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    return user_site
+
+
+def test_children_are_not_patched_by_default(tmp_path: Path, run_acshim) -> None:
+    user_site = _write_project(tmp_path)
+    result = run_acshim("run", "spawning.py", cwd=tmp_path, env={"PYTHONPATH": str(user_site)})
+    assert result.returncode == 0, result.stderr
+    assert "spawn child: ImportError: No module named 'smdistributed'" in result.stdout
+    assert "subprocess: ModuleNotFoundError: No module named 'smdistributed'" in result.stdout
+
+
+def test_children_flag_patches_spawned_and_subprocess_children_and_keeps_user_sitecustomize(tmp_path: Path, run_acshim) -> None:
+    user_site = _write_project(tmp_path)
+    result = run_acshim("run", "--children", "spawning.py", cwd=tmp_path, env={"PYTHONPATH": str(user_site)})
+    assert result.returncode == 0, result.stderr
+    assert "spawn child: acshim.facades.smdistributed.modelparallel.torch" in result.stdout
+    assert "subprocess: acshim.facades.smdistributed" in result.stdout
+    assert "user sitecustomize ran: yes" in result.stdout
+
+
+def test_environment_variable_opts_in_like_the_flag(tmp_path: Path, run_acshim) -> None:
+    _write_project(tmp_path)
+    result = run_acshim("run", "spawning.py", cwd=tmp_path, env={"ACSHIM_PATCH_CHILDREN": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "spawn child: acshim.facades.smdistributed.modelparallel.torch" in result.stdout
+
+
+def test_child_that_never_imports_an_upstream_name_does_not_import_acshim(tmp_path: Path, run_python) -> None:
+    """The child bootstrap waits for the first upstream import: helper processes stay light."""
+    environment = {"ACSHIM_PATCH_CHILDREN": "1"}
+    enable_children(environ=environment)
+    result = run_python("""
+        import sys, json
+        print(json.dumps(["acshim" in sys.modules, "torch" in sys.modules]))
+    """, prelude=False, env={**environment, "PYTHONPATH": environment["PYTHONPATH"]})
+    assert result.stdout.strip() == "[false, false]"
+
+
+def test_enable_children_prepends_the_bootstrap_once_and_keeps_the_users_path() -> None:
+    environment = {"PYTHONPATH": os.pathsep.join(["/a", childsite_dir(), "/b"])}
+    enable_children(hf=True, environ=environment)
+    assert environment["PYTHONPATH"].split(os.pathsep) == [childsite_dir(), "/a", "/b"]
+    assert environment["ACSHIM_PATCH_CHILDREN"] == environment["ACSHIM_PATCH_HF"] == "1"
+
+
+def test_bootstrap_triggers_on_every_dialect_import_name() -> None:
+    source = (Path(childsite_dir()) / "sitecustomize.py").read_text()
+    assigned = next(node for node in ast.parse(source).body
+                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TRIGGER_NAMES")
+    assert ast.literal_eval(assigned.value) == TRIGGER_NAMES

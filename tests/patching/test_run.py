@@ -1,0 +1,105 @@
+"""``acshim run`` runs a script exactly as ``python script.py`` would, with the patches installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from acshim.cli import _parse_run
+
+PROBE = """
+import json, os, sys
+report = {
+    "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
+    "spec": repr(__spec__), "loader": type(__loader__).__name__, "cached": repr(__cached__),
+    "main_is_me": sys.modules["__main__"].__dict__ is globals(),
+}
+print(json.dumps(report))
+if "--fail" in sys.argv:
+    def inner():
+        raise ValueError("raised by the script")
+    inner()
+if "--exit" in sys.argv:
+    sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]))
+"""
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _python(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_script_sees_the_same_argv_main_file_and_path_as_under_python(tmp_path: Path, run_acshim, plain_env) -> None:
+    _write(tmp_path / "scripts" / "probe.py", PROBE)
+    (tmp_path / "link.py").symlink_to(tmp_path / "scripts" / "probe.py")
+    for script in ("scripts/probe.py", "link.py"):
+        args = [script, "a b", "--flag", "-m", "x"]  # options after the script belong to the script
+        expected = _python(*args, cwd=tmp_path, env=plain_env)
+        actual = run_acshim("run", *args, cwd=tmp_path)
+        assert actual.returncode == expected.returncode == 0, actual.stderr
+        assert json.loads(actual.stdout) == json.loads(expected.stdout)
+
+
+def test_exit_code_and_traceback_are_those_of_python(tmp_path: Path, run_acshim, plain_env) -> None:
+    _write(tmp_path / "probe.py", PROBE)
+    exited = run_acshim("run", "probe.py", "--exit", "7", cwd=tmp_path)
+    assert exited.returncode == 7
+    failed = run_acshim("run", "probe.py", "--fail", cwd=tmp_path)
+    expected = _python("probe.py", "--fail", cwd=tmp_path, env=plain_env)
+    assert failed.returncode == expected.returncode == 1
+    assert failed.stderr == expected.stderr  # no acshim or runpy frames
+    assert failed.stderr.splitlines()[-1] == "ValueError: raised by the script"
+
+
+def test_missing_script_is_a_clear_error_with_exit_code_2(tmp_path: Path, run_acshim) -> None:
+    result = run_acshim("run", "nowhere.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"acshim run: can't open file '{tmp_path / 'nowhere.py'}': [Errno 2] No such file or directory"
+
+
+def test_module_form_runs_like_python_dash_m(tmp_path: Path, run_acshim, plain_env) -> None:
+    _write(tmp_path / "pkg" / "__init__.py", "")
+    _write(tmp_path / "pkg" / "tool.py", PROBE)
+    expected = _python("-m", "pkg.tool", "x", cwd=tmp_path, env=plain_env)
+    actual = run_acshim("run", "-m", "pkg.tool", "x", cwd=tmp_path)
+    assert actual.returncode == 0, actual.stderr
+    got, want = json.loads(actual.stdout), json.loads(expected.stdout)
+    for key in ("argv", "name", "file", "path0", "cached"):
+        assert got[key] == want[key], key
+    missing = run_acshim("run", "-m", "no_such_module_here", cwd=tmp_path)
+    assert missing.returncode == 1 and "No module named no_such_module_here" in missing.stderr
+
+
+def test_script_runs_with_the_patches_installed(tmp_path: Path, run_acshim) -> None:
+    _write(tmp_path / "uses_upstream.py", """
+        import smdistributed.modelparallel.torch as smp          # absent here: served by the facade
+        import acshim.facades.smdistributed.modelparallel.torch as facade
+        import fairscale.nn                                        # installed: entry points patched
+        import acshim
+        from acshim.patching.inplace import is_acshim_wrapper
+        assert smp is facade
+        assert is_acshim_wrapper(fairscale.nn.checkpoint_wrapper)
+        print("patched", acshim.patching.is_installed())
+    """)
+    result = run_acshim("run", "uses_upstream.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "patched True"
+
+
+def test_run_options_stop_at_the_script() -> None:
+    assert _parse_run(["--hf", "train.py", "--children", "-m"]) == ({"hf": True, "children": False}, "train.py", None,
+                                                                    ["--children", "-m"])
+    assert _parse_run(["--children", "-m", "pkg.mod", "--hf"]) == ({"hf": False, "children": True}, None, "pkg.mod", ["--hf"])
+    assert _parse_run(["-mpkg", "a"]) == ({"hf": False, "children": False}, None, "pkg", ["a"])
+    assert _parse_run(["--", "-weird.py"]) == ({"hf": False, "children": False}, "-weird.py", None, [])
+    assert "unknown option '--nope'" in _parse_run(["--nope", "x.py"])
+    assert _parse_run([]) == "acshim run: the script to run is missing"
+

@@ -1,0 +1,84 @@
+"""Fixtures of the storage-tier tests: a private directory for disk files, engine defaults reset."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    """A directory for the disk tier; the test asserts it is empty afterwards where it matters."""
+    path = tmp_path / "offload"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_defaults():
+    from acshim.storage import reset_defaults
+
+    reset_defaults()
+    yield
+    reset_defaults()
+
+
+class Offloaded(nn.Module):
+    """Runs ``inner``'s forward inside a fresh offload block built by ``make_scope()``; parameter
+    names are ``inner``'s own (so step states compare key by key)."""
+
+    def __init__(self, inner: nn.Module, make_scope) -> None:
+        super().__init__()
+        object.__setattr__(self, "inner", inner)  # not a submodule: keeps parameter names unprefixed
+        self.make_scope = make_scope
+        self.scopes = []
+
+    def named_parameters(self, *args, **kwargs):
+        return self.inner.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.inner.named_buffers(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def train(self, mode: bool = True):
+        self.inner.train(mode)
+        return self
+
+    def forward(self, *args, **kwargs):
+        scope = self.make_scope()
+        self.scopes.append(scope)
+        with scope:
+            return self.inner(*args, **kwargs)
+
+
+@pytest.fixture
+def offloaded():
+    return Offloaded
+
+
+def private_fds(directory: str) -> list[str]:
+    """Open descriptors of this process that point into ``directory`` (unlinked files included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(directory):
+            found.append(target)
+    return found
+
+
+@pytest.fixture
+def fds_in():
+    return private_fds
+
+
+@pytest.fixture
+def mlp_input():
+    return torch.randn(16, 64, generator=torch.Generator().manual_seed(3))

@@ -1,0 +1,72 @@
+"""Prefetch, measured with the simulated-transfer backend (sleeps per byte in a worker thread):
+H >= 1 hides the transfer time H = 0 exposes; order and horizon are respected; nothing is late."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import acshim
+from acshim.backends import SimulatedBackend
+from acshim.storage import boundary_offload, offload
+from acshim.testing import seeded, tiny_sequential
+
+REGIONS = 8
+WIDTH = 64
+ROWS = 128
+SECONDS_PER_BYTE = 6e-8  # 32 KiB boundary input per region: ~2 ms per transfer, below its compute
+
+
+def _backward_with(prefetch: int) -> tuple[acshim.storage.BoundaryOffload, SimulatedBackend]:
+    torch.manual_seed(0)
+    model = tiny_sequential(REGIONS, WIDTH)
+    backend = SimulatedBackend(SECONDS_PER_BYTE)
+    scope = boundary_offload("host", prefetch, min_bytes=0, backend=backend)
+    acshim.apply_checkpointing(model, saved_tensors_scope=scope)
+    model(torch.randn(ROWS, WIDTH)).sum().backward()
+    backend.close()
+    return scope, backend
+
+
+def test_prefetch_hides_at_least_90_percent_of_exposed_transfer_time():
+    exposed = {h: _backward_with(h)[0].stats.wait_seconds for h in (0, 1, 2)}
+    transfer_in = _backward_with(0)[1].transfer_seconds("in")
+    assert exposed[0] >= 0.8 * transfer_in  # H = 0: backward waits for (almost) every copy
+    for horizon in (1, 2):
+        assert exposed[horizon] <= 0.1 * exposed[0], (horizon, exposed)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_no_group_fetched_before_its_turn_plus_horizon_and_none_late(prefetch):
+    scope, backend = _backward_with(prefetch)
+    fetches = list(scope.session.scheduler.fetches)
+    # backward visits groups in decreasing order; a fetch at group g may bring groups g-H .. g only
+    assert fetches and all(0 <= f.at_group - f.group <= prefetch for f in fetches)
+    fetched = sorted(f.group for f in fetches)
+    assert fetched == list(range(REGIONS - prefetch))  # each sent-out group exactly once
+    assert scope.stats.sent_out == REGIONS - prefetch  # the last H regions never left
+    assert all(record.ready for record in scope.stats.unpacks)  # no copy in arrived late
+    assert scope.stats.late == 0
+    assert [r.direction for r in backend.log].count("in") == REGIONS - prefetch
+
+
+def test_horizon_zero_fetches_each_group_only_at_its_own_turn():
+    scope, _ = _backward_with(0)
+    assert all(f.at_group == f.group for f in scope.session.scheduler.fetches)
+    assert scope.stats.sent_out == REGIONS and scope.stats.late == REGIONS
+
+
+def test_offload_scope_prefetches_saved_tensors_in_order():
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    backend = SimulatedBackend(1e-9)
+    with offload("host", 2, min_bytes=0, backend=backend) as scope:
+        y = x
+        for _ in range(6):
+            y = y.exp().tanh()  # exp saves its output, tanh its output: one group each
+    y.sum().backward()
+    backend.close()
+    fetches = list(scope.session.scheduler.fetches)
+    assert scope.stats.moved == 12 and scope.stats.sent_out == 10
+    assert all(0 <= f.at_group - f.group <= 2 for f in fetches)
+    assert sorted(f.group for f in fetches) == list(range(10))
