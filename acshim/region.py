@@ -11,6 +11,7 @@ when no input requires grad; ours handles all three (flattening with ``acshim.st
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -234,8 +235,10 @@ def _run_reentrant(
     spec = _ReentrantSpec(function, options, opaque, rebuild, positions)
     # Without an input that requires grad, autograd would never call backward and the region's
     # parameters would get no gradient (torch's reentrant defect); an empty leaf that requires grad
-    # keeps the region in the graph, as FairScale does.
-    dummy = None if any(t.requires_grad for t in tensors) else torch.empty(0, requires_grad=True)
+    # keeps the region in the graph, as FairScale does. A region known to have no trainable
+    # parameter (a frozen module) needs no backward at all, so it gets no dummy (fairscale PR #787).
+    needs_dummy = not any(t.requires_grad for t in tensors) and _may_have_trainable_parameters(function)
+    dummy = torch.empty(0, requires_grad=True) if needs_dummy else None
     results = _ReentrantRegion.apply(spec, dummy, *tensors)
     out_leaves, spec.output_leaves = spec.output_leaves, []  # the ctx must not keep outputs alive
     if spec.output_positions:
@@ -244,6 +247,17 @@ def _run_reentrant(
         for position, tensor in zip(spec.output_positions, results):
             out_leaves[position] = tensor
     return spec.rebuild_output(out_leaves)
+
+
+def _may_have_trainable_parameters(function: Callable[..., Any]) -> bool:
+    """False only when ``function`` is known to be a module (or a bound method / partial of one)
+    none of whose parameters requires grad; unknown callables may close over parameters."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+    if not isinstance(owner, torch.nn.Module):
+        return True
+    return any(p.requires_grad for p in owner.parameters())
 
 
 def _notify(observer: Any, event: str, region: Callable[..., Any]) -> None:

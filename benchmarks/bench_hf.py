@@ -25,7 +25,8 @@ from acshim.testing import train_step
 
 def gpt2(layers: int, width: int) -> transformers.PreTrainedModel:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=8, n_positions=1024, vocab_size=8192, resid_pdrop=0.1, embd_pdrop=0.1,
+        n_layer=layers, n_embd=width, n_head=8, n_positions=1024, vocab_size=8192, bos_token_id=0, eos_token_id=1,
+        resid_pdrop=0.1, embd_pdrop=0.1,
         attn_pdrop=0.1))
 
 

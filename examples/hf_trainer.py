@@ -29,7 +29,7 @@ class GradDigest(transformers.TrainerCallback):
 def main() -> None:
     checkpointing = "--no-checkpointing" not in sys.argv
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128, bos_token_id=0, eos_token_id=1,
                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))

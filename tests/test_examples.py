@@ -16,12 +16,13 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from acshim.patching.dialects import DIALECTS, decide
+from acshim.patching.dialects import DIALECTS, decide, module_exists
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
@@ -44,16 +45,26 @@ def _imported_names(path: Path) -> set[str]:
     return names
 
 
-def upstream_dialects(path: Path) -> set[str]:
-    """The dialects whose upstream import names the example uses."""
+def _upstreams() -> dict[str, bool]:
+    """Upstream import names -> really installed here (else acshim serves them from a facade)."""
+    names = {d.upstream: decide(d) == "patch" for d in DIALECTS}
+    names["transformers"] = module_exists("transformers")  # acshim.hf patches HF's own entry points
+    return names
+
+
+UPSTREAMS = _upstreams()
+
+
+def upstreams_used(path: Path) -> set[str]:
+    """The upstream import names (dialect roots) the example uses."""
     names = _imported_names(path)
-    return {d.name for d in DIALECTS if any(n == d.upstream or n.startswith(d.upstream + ".") for n in names)}
+    return {u for u in UPSTREAMS if any(n == u or n.startswith(u + ".") for n in names)}
 
 
 def runs_on_real_upstream(path: Path) -> bool:
     """True when every upstream package the example imports is really installed here."""
-    used = upstream_dialects(path)
-    return bool(used) and all(decide(d) == "patch" for d in DIALECTS if d.name in used)
+    used = upstreams_used(path)
+    return bool(used) and all(UPSTREAMS[u] for u in used)
 
 
 PLAIN_EXAMPLES = [p for p in EXAMPLES if runs_on_real_upstream(p)]
@@ -89,11 +100,14 @@ class ExampleRuns:
         self._executor = ThreadPoolExecutor(max_workers=PARALLEL_RUNS)
         self._futures: dict[tuple[Path, str], Future] = {job: self._executor.submit(_run, *job) for job in jobs}
 
+    def start(self, example: Path, *variants: str) -> None:
+        for job in ((example, v) for v in variants):
+            if job not in self._futures:
+                self._futures[job] = self._executor.submit(_run, *job)
+
     def digest(self, example: Path, variant: str) -> str:
-        job = (example, variant)
-        if job not in self._futures:
-            self._futures[job] = self._executor.submit(_run, *job)
-        result = self._futures[job].result()
+        self.start(example, variant)
+        result = self._futures[(example, variant)].result()
         command = " ".join(_command(example, variant)[1:])
         assert result.returncode == 0, f"`{command}` exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         lines = [line for line in result.stdout.splitlines() if line.strip()]
@@ -105,9 +119,12 @@ class ExampleRuns:
 
 
 @pytest.fixture(scope="module")
-def example_runs(request: pytest.FixtureRequest) -> ExampleRuns:
-    jobs = []
-    for item in request.session.items:
+def example_runs(request: pytest.FixtureRequest) -> Iterator[ExampleRuns]:
+    jobs: list[tuple[Path, str]] = []
+    # Under pytest-xdist a worker cannot tell which of the collected items it will run: each test
+    # then starts its own runs. Otherwise every selected test's runs start now.
+    selected = [] if hasattr(request.config, "workerinput") else request.session.items
+    for item in selected:
         callspec = getattr(item, "callspec", None)
         if item.module is not request.module or callspec is None or "example" not in callspec.params:
             continue
@@ -126,12 +143,15 @@ def test_examples_exist() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_example_gives_the_same_gradients_with_and_without_checkpointing(example: Path, example_runs: ExampleRuns) -> None:
+    example_runs.start(example, "checkpointing", "no-checkpointing")
     assert example_runs.digest(example, "checkpointing") == example_runs.digest(example, "no-checkpointing")
 
 
 @pytest.mark.parametrize("example", PLAIN_EXAMPLES, ids=lambda p: p.stem)
 def test_example_matches_the_real_upstream_library(example: Path, example_runs: ExampleRuns) -> None:
-    """``python example.py`` runs the real DeepSpeed / FairScale / PyTorch code, checkpointing on."""
+    """``python example.py`` runs the real DeepSpeed / FairScale / PyTorch / transformers code,
+    checkpointing on."""
+    example_runs.start(example, "plain", "no-checkpointing")
     upstream = example_runs.digest(example, "plain")
     if example.stem in UPSTREAM_NOT_BITWISE:
         pytest.skip(f"upstream ran, digest not compared: {UPSTREAM_NOT_BITWISE[example.stem]}")

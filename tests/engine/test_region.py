@@ -255,3 +255,14 @@ def test_non_reentrant_region_supports_autograd_grad() -> None:
     x = torch.randn(3, requires_grad=True)
     (grad,) = torch.autograd.grad(acshim.checkpoint(torch.sin, x).sum(), x)
     assert torch.equal(grad, x.detach().cos())
+
+
+def test_frozen_module_without_grad_inputs_is_not_recomputed() -> None:
+    module = CountingMLP()
+    module.requires_grad_(False)
+    trainable = nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    out = acshim.run_region(module, (x,), {}, acshim.RegionOptions(reentrant=True))
+    assert not out.requires_grad
+    trainable(out).sum().backward()
+    assert module.calls == [(True, False)]  # forward only: nothing below needs gradients

@@ -108,3 +108,21 @@ def test_fsdp2_activation_checkpointing_on_gloo_goes_through_engine(offload, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REGIONS ['model.layers.0', 'model.layers.1', 'model.layers.2']" in result.stdout, result.stdout
     assert "EQUAL True" in result.stdout, result.stdout
+
+
+NO_CHECKPOINTING_SCRIPT = textwrap.dedent("""
+    import torch, transformers
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                     bos_token_id=0, eos_token_id=1)
+    model = transformers.GPT2LMHeadModel(config)
+    print("REGIONS", [n for n, m in model.named_modules() if type(m.__dict__.get("forward")).__name__ == "HFBlockForward"])
+""")
+
+
+def test_acshim_run_hf_checkpoints_a_script_that_never_mentions_checkpointing(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(NO_CHECKPOINTING_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "acshim", "run", "--hf", str(script)], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REGIONS ['transformer.h.0', 'transformer.h.1', 'transformer.h.2']" in result.stdout, result.stdout

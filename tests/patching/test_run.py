@@ -103,3 +103,20 @@ def test_run_options_stop_at_the_script() -> None:
     assert "unknown option '--nope'" in _parse_run(["--nope", "x.py"])
     assert _parse_run([]) == "acshim run: the script to run is missing"
 
+
+
+def test_hf_flag_checkpoints_every_transformers_model_and_install_routes_hf_switches(tmp_path: Path, run_acshim) -> None:
+    _write(tmp_path / "hf_script.py", """
+        import sys
+        import acshim.hf
+        assert acshim.hf.installed(), "acshim.install() hands HF's switches to acshim.hf"
+        assert "transformers" not in sys.modules, "installing must not import transformers"
+        from acshim.testing import hf_model
+        model = hf_model("llama")
+        print("regions", len(acshim.hf.acshim_regions(model)))
+    """)
+    with_hf = run_acshim("run", "--hf", "hf_script.py", cwd=tmp_path)
+    without = run_acshim("run", "hf_script.py", cwd=tmp_path)
+    assert with_hf.returncode == 0 and without.returncode == 0, with_hf.stderr + without.stderr
+    assert with_hf.stdout.strip() == "regions 3"  # hf_model("llama") has 3 decoder layers
+    assert without.stdout.strip() == "regions 0"

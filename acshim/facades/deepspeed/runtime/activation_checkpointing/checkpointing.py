@@ -22,6 +22,7 @@ Not yet: partitioning activations across a model-parallel group of more than one
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -182,14 +183,25 @@ def merge_tensors(tensor_objects: Any, non_tensor_objects: Any, tensor_flags: An
 # checkpoint
 
 
+HOST_OFFLOAD_PREFETCH = 1
+"""Regions whose inputs stay resident at the end of forward and are fetched ahead in backward:
+upstream 0.19's offload engine keeps the last checkpoint's inputs too (``keep_last_count=1``)."""
+
+
 def _host_offload_scope() -> Any:
-    """The engine storage tier's boundary offload to host memory, if that tier is installed."""
-    try:
-        from acshim import storage
-    except ImportError:
-        return None
-    factory = getattr(storage, "boundary_offload", None)
-    return factory(storage="host", prefetch=0) if factory is not None else None
+    """One engine boundary offload to host memory shared by every checkpoint until ``reset()`` or
+    ``configure()`` (upstream's shared ``_cpu_offload_engine``); None without the storage tier.
+    On a CPU-only machine the host tier leaves CPU tensors where they are, by design."""
+    if STATE._cpu_offload_engine is None:
+        try:
+            storage = importlib.import_module("acshim.storage")
+        except ImportError:
+            return None
+        factory = getattr(storage, "boundary_offload", None)
+        if factory is None:
+            return None
+        STATE._cpu_offload_engine = factory(storage="host", prefetch=HOST_OFFLOAD_PREFETCH)
+    return STATE._cpu_offload_engine
 
 
 def _region_options(reentrant: bool) -> RegionOptions:
@@ -334,13 +346,15 @@ def set_num_layers(nlayers: int | None) -> None:
 def reset() -> None:
     """Drop the contiguous-checkpointing bookkeeping (only when contiguous checkpointing is on).
 
-    Flags, mpu, tracker and ``is_configured()`` are untouched, as upstream.
+    Also starts a new host-offload session. Flags, mpu, tracker and ``is_configured()`` are untouched,
+    as upstream.
     """
     if STATE.CONTIGUOUS_CHECKPOINTING:
         STATE.contiguous_data_buffers = []
         STATE.contiguous_size_buffers = []
         STATE.data_offsets = []
         STATE.size_offsets = []
+    STATE._cpu_offload_engine = None  # upstream drains its offload engine; the next forward starts afresh
 
 
 _SETTING_NAMES = ("PARTITION_ACTIVATIONS", "CONTIGUOUS_CHECKPOINTING", "num_layers", "CPU_CHECKPOINT",
@@ -427,6 +441,7 @@ def configure(
     for name, value in settings.items():
         setattr(STATE, name, value)
     STATE.deepspeed_checkpointing_enabled = True
+    STATE._cpu_offload_engine = None
     if _global_rank() == 0:
         logger.info("Activation Checkpointing Information")
         logger.info("----Partition Activations %s, CPU CHECKPOINTING %s", STATE.PARTITION_ACTIVATIONS,

@@ -16,6 +16,8 @@ import json
 import os
 from typing import Any
 
+__all__ = ["DeepSpeedActivationCheckpointingConfig"]
+
 ACT_CHKPT = "activation_checkpointing"
 ACT_CHKPT_PARTITION_ACTIVATIONS = "partition_activations"
 ACT_CHKPT_NUMBER_CHECKPOINTS = "number_checkpoints"

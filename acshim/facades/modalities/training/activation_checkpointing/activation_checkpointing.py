@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from acshim import selective
 from acshim.facades.torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -66,54 +66,23 @@ def apply_activation_checkpointing_fsdp1_inplace(model: nn.Module, activation_ch
     in ``activation_checkpointing_modules``, in place."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    module_types = []
-    for name in activation_checkpointing_modules:
-        module_type = _module_class_from_name(model, name)
-        if module_type is None:
-            raise ValueError(
-                f"activation_checkpointing_modules: no module of class {name!r} in the model; list class names "
-                "of modules the model contains (e.g. its transformer block class)")
-        module_types.append(module_type)
+    module_types = [_module_class_from_name(model, name) for name in activation_checkpointing_modules]
     if not isinstance(model, FSDP1):
         raise ValueError(
             "This activation checkpointing component can only be applied to FSDP1 wrapped models. "
             "Use the respective FSDP2 component for FSDP2 models."
         )
+    unknown = [name for name, found in zip(activation_checkpointing_modules, module_types) if found is None]
+    if unknown:
+        raise ValueError(
+            f"activation_checkpointing_modules: no module of class {', '.join(map(repr, unknown))} in the model; "
+            "list class names of modules the model contains (e.g. its transformer block class)")
     non_reentrant_wrapper = partial(ptd_checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, debug=False)
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=non_reentrant_wrapper,
         check_fn=lambda submodule: is_module_to_apply_activation_checkpointing(submodule, module_types),
     )
-
-
-class _SaveEveryOtherMatmul:
-    """Selective-op policy of one checkpoint call (Modalities' ``_custom_policy``): outputs of ops in
-    ``save_ops`` are kept, except every second ``aten.mm`` (the 2nd, 4th, ...), which is recomputed
-    like every other op. Forward and recompute count matmuls separately (torch < 2.9 also asks the
-    policy during recompute)."""
-
-    def __init__(self, save_ops: frozenset[Any]) -> None:
-        self.save_ops = save_ops
-        self.mm_counts = {"forward": 0, "recompute": 0}
-
-    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        mode = "recompute" if ctx.is_recompute else "forward"
-        is_mm = func == _ops.aten.mm.default
-        if is_mm:
-            self.mm_counts[mode] += 1
-        keep = func in self.save_ops and not (is_mm and self.mm_counts[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class _SelectiveOpContextFn:
-    """``context_fn`` for one wrapped block: fresh counters for every checkpoint call."""
-
-    def __init__(self, save_ops: frozenset[Any]) -> None:
-        self.save_ops = save_ops
-
-    def __call__(self) -> Any:
-        return create_selective_checkpoint_contexts(_SaveEveryOtherMatmul(self.save_ops))
 
 
 def _variant(ac_variant: Any) -> ActivationCheckpointingVariants:
@@ -203,7 +172,10 @@ class ActivationCheckpointing:
 
     @staticmethod
     def _apply_selective_op_ac(module: nn.Module, save_ops_keys: list[str]) -> nn.Module:
-        context_fn = _SelectiveOpContextFn(ActivationCheckpointing._save_ops(save_ops_keys))
+        # Modalities' policy is the engine's save-ops rule: listed ops kept, but of aten.mm only
+        # the 1st, 3rd, ... call of each region call (forward and recompute counted apart).
+        context_fn = selective.save_ops(ActivationCheckpointing._save_ops(save_ops_keys),
+                                        recompute_every_other=[_ops.aten.mm.default])
         return ptd_checkpoint_wrapper(module, context_fn=context_fn, preserve_rng_state=True)
 
 

@@ -22,6 +22,7 @@ module's ``forward``, a TypeError); a REENTRANT wrapper emits the FutureWarning 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -98,6 +99,14 @@ class OffloadWrapper(_TorchOffloadWrapper):
             return self._checkpoint_wrapped_module(*args, **kwargs)
 
 
+def _user_stacklevel() -> int:
+    """``stacklevel`` pointing at the user's call, past acshim's in-place patch forwarder if any."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("acshim.patching", "wrapt")):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 def checkpoint_wrapper(module: nn.Module, checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
                        checkpoint_fn: Callable[..., Any] | None = None, **checkpoint_fn_kwargs: Any) -> nn.Module:
     """Return ``CheckpointWrapper(module, checkpoint_impl, checkpoint_fn, **checkpoint_fn_kwargs)``.
@@ -108,7 +117,7 @@ def checkpoint_wrapper(module: nn.Module, checkpoint_impl: CheckpointImpl = Chec
     if checkpoint_impl == CheckpointImpl.REENTRANT:
         warnings.warn(
             f"Please specify {CheckpointImpl.NO_REENTRANT} as {CheckpointImpl.REENTRANT} will soon be removed as "
-            "the default and eventually deprecated.", FutureWarning, stacklevel=2)
+            "the default and eventually deprecated.", FutureWarning, stacklevel=_user_stacklevel())
     return CheckpointWrapper(module, checkpoint_impl, checkpoint_fn, **checkpoint_fn_kwargs)
 
 
