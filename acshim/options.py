@@ -20,6 +20,8 @@ class RegionObserver(Protocol):
     def forward_end(self, region: Callable[..., Any]) -> None: ...
     def recompute_start(self, region: Callable[..., Any]) -> None: ...
     def recompute_end(self, region: Callable[..., Any]) -> None: ...
+    def backward_end(self, region: Callable[..., Any]) -> None:
+        """Reentrant regions only: the region's gradients are computed."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class RegionOptions:
 
     observer: RegionObserver | None = field(default=None, compare=False)
     """Lifecycle callbacks (see ``RegionObserver``)."""
+
+    grad_error_message: str | None = None
+    """Reentrant only: the RuntimeError text when ``torch.autograd.grad`` reaches the region (a
+    facade sets its upstream's wording; default: torch's)."""
 
     def replace(self, **changes: Any) -> RegionOptions:
         """A copy with ``changes`` applied."""

@@ -84,9 +84,9 @@ class _RegionCall:
             stack.enter_context(enable_recomputing())
             stack.enter_context(running_stats_frozen())
             _notify(observer, "recompute_start", self.function)
-            output = self.function(*args, **kwargs)
-        _notify(observer, "recompute_end", self.function)
-        return output
+            # torch stops an early-stopped recompute with an exception: report the end regardless
+            stack.callback(_notify, observer, "recompute_end", self.function)
+            return self.function(*args, **kwargs)
 
 
 def _run_non_reentrant(
@@ -182,6 +182,10 @@ class _ReentrantRegion(torch.autograd.Function):
 
         leaves, spec.rebuild_output = structures.flatten(output)
         spec.output_positions = structures.tensor_positions(leaves)
+        # Return fresh aliases: a tensor that existed before the call (a module constant, an input)
+        # would otherwise be rewired to this node in place and recurse into it during backward.
+        for i in spec.output_positions:
+            leaves[i] = leaves[i].detach()
         spec.output_leaves = leaves
         outputs = tuple(leaves[i] for i in spec.output_positions)
         ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
@@ -189,10 +193,10 @@ class _ReentrantRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(REENTRANT_GRAD_ERROR)
         spec: _ReentrantSpec = ctx.spec
         options = spec.options
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(options.grad_error_message or REENTRANT_GRAD_ERROR)
         saved = ctx.saved_tensors
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
         rng_devices = getattr(ctx, "devices", [])
@@ -218,6 +222,7 @@ class _ReentrantRegion(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        _notify(options.observer, "backward_end", spec.function)
         del ctx.spec
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         return (None, None, *input_grads)

@@ -33,6 +33,21 @@ TIMEOUT_SECONDS = 600
 # Examples whose plain-upstream run is not bitwise equal to the checkpoint-free run, and why.
 UPSTREAM_NOT_BITWISE: dict[str, str] = {}
 
+# What a launcher does before the script under the real library: DeepSpeed's checkpointing needs
+# its communication backend up (``deepspeed.init_distributed()``) before ``configure`` /
+# ``checkpoint``; acshim needs nothing, so the examples do not call it. The script itself runs
+# unchanged after this prelude (same argv, ``__main__``).
+UPSTREAM_LAUNCH_PRELUDE = {
+    "deepspeed": "import deepspeed; deepspeed.init_distributed(dist_backend='gloo', verbose=False)",
+}
+LAUNCHER = """
+import runpy, sys
+{prelude}
+sys.argv = sys.argv[1:]
+sys.path[0] = __import__("os").path.dirname(__import__("os").path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 
 def _imported_names(path: Path) -> set[str]:
     names = set()
@@ -79,6 +94,9 @@ def _free_port() -> str:
 def _command(example: Path, variant: str) -> list[str]:
     relative = str(example.relative_to(REPO))
     if variant == "plain":
+        preludes = [UPSTREAM_LAUNCH_PRELUDE[u] for u in sorted(upstreams_used(example)) if u in UPSTREAM_LAUNCH_PRELUDE]
+        if preludes:
+            return [sys.executable, "-c", LAUNCHER.format(prelude="\n".join(preludes)), relative]
         return [sys.executable, relative]
     extra = ["--no-checkpointing"] if variant == "no-checkpointing" else []
     return [sys.executable, "-m", "acshim", "run", relative, *extra]
@@ -108,7 +126,7 @@ class ExampleRuns:
     def digest(self, example: Path, variant: str) -> str:
         self.start(example, variant)
         result = self._futures[(example, variant)].result()
-        command = " ".join(_command(example, variant)[1:])
+        command = f"{variant} run of {example.relative_to(REPO)}"
         assert result.returncode == 0, f"`{command}` exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         lines = [line for line in result.stdout.splitlines() if line.strip()]
         assert lines and GRADS_LINE.fullmatch(lines[-1]), f"`{command}` did not end with a GRADS line:\n{result.stdout[-2000:]}"

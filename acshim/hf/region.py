@@ -15,7 +15,6 @@ Two ways a transformers block becomes an engine region:
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -139,9 +138,6 @@ class EngineCheckpointFunction:
             return function(*args, **kwargs)
         target, args, kwargs = _unwrap(function, args, kwargs)
         return run_region(target, args, kwargs, self.options)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> EngineCheckpointFunction:
-        return EngineCheckpointFunction(copy.copy(self.options))
 
     def __repr__(self) -> str:
         return f"EngineCheckpointFunction({self.options!r})"

@@ -266,3 +266,43 @@ def test_frozen_module_without_grad_inputs_is_not_recomputed() -> None:
     assert not out.requires_grad
     trainable(out).sum().backward()
     assert module.calls == [(True, False)]  # forward only: nothing below needs gradients
+
+
+def test_reentrant_region_returning_a_preexisting_tensor_does_not_recurse() -> None:
+    constant = torch.randn(3)
+    x = torch.randn(3, requires_grad=True)
+    out, same = acshim.run_region(lambda a: (a.sin(), constant), (x,), {}, acshim.RegionOptions(reentrant=True))
+    out.sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())
+    assert constant.grad_fn is None and torch.equal(same, constant)
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, name: str):
+        return lambda region: self.events.append(name)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_observer_sees_every_event_even_when_the_recompute_stops_early(reentrant: bool) -> None:
+    observer = RecordingObserver()
+
+    def work_after_last_saved_tensor(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        return y + 1  # saves nothing: early stop ends the recompute right after sin
+
+    out = acshim.run_region(work_after_last_saved_tensor, (torch.randn(3, requires_grad=True),), {},
+                            acshim.RegionOptions(reentrant=reentrant, observer=observer))
+    out.sum().backward()
+    expected = ["forward_start", "forward_end", "recompute_start", "recompute_end"]
+    assert observer.events == expected + (["backward_end"] if reentrant else [])
+
+
+def test_facade_can_set_the_grad_error_wording() -> None:
+    x = torch.randn(3, requires_grad=True)
+    options = acshim.RegionOptions(reentrant=True, grad_error_message="Checkpointing is not compatible with .grad()")
+    out = acshim.run_region(torch.sin, (x,), {}, options)
+    with pytest.raises(RuntimeError, match=r"^Checkpointing is not compatible with \.grad\(\)$"):
+        torch.autograd.grad(out.sum(), x)

@@ -114,6 +114,13 @@ def test_kwargs_tensors_get_gradients_like_positionals():
     assert torch.equal(grads[0], weight.grad) and torch.equal(grads[1], scale.grad)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_leaf_tensors_nested_in_container_args_get_gradients(mode):
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    MODES[mode](lambda pair, k: (pair[0] * pair[1] * k).sum(), [x, y], 2.0).backward()
+    assert torch.equal(x.grad, y.detach() * 2.0) and torch.equal(y.grad, x.detach() * 2.0)
+
+
 def test_non_reentrant_checkpoint_rejects_kwargs_like_upstream():
     with pytest.raises(TypeError):
         ckpt.non_reentrant_checkpoint(torch.sin, x=torch.randn(2))

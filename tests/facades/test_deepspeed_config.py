@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import re
@@ -237,3 +238,42 @@ def test_cpu_checkpointing_without_a_storage_tier_keeps_data_in_place(monkeypatc
     x = torch.randn(4, requires_grad=True)
     ckpt.checkpoint(torch.sin, x).sum().backward()
     assert torch.equal(x.grad, x.detach().cos())
+
+
+# DeepSpeed's later TestCPUActivationCheckpoint checks (GPU-only upstream), on CPU, bitwise
+
+
+@pytest.mark.parametrize("checkpoint", [ckpt.checkpoint, ckpt.non_reentrant_checkpoint])
+def test_cpu_checkpointing_stacked_layers_match_a_plain_run(checkpoint):
+    torch.manual_seed(1234)
+    layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+    reference_layers = copy.deepcopy(layers)
+    x = torch.randn(8, 64)
+    x_reference, x_test = x.clone().requires_grad_(), x.clone().requires_grad_()
+    hidden = x_reference
+    for layer in reference_layers:
+        hidden = layer(hidden)
+    hidden.sum().backward()
+    ckpt.configure(None, checkpoint_in_cpu=True)
+    hidden = x_test
+    for layer in layers:
+        hidden = checkpoint(layer, hidden)
+    hidden.sum().backward()
+    assert torch.equal(x_reference.grad, x_test.grad)
+    for reference, tested in zip(reference_layers.parameters(), layers.parameters()):
+        assert torch.equal(reference.grad, tested.grad)
+
+
+def test_cpu_checkpointing_passes_bool_masks_through_and_no_grad_starts_no_offload():
+    storage = pytest.importorskip("acshim.storage")
+    ckpt.configure(None, checkpoint_in_cpu=True)
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(8, requires_grad=True)
+    mask = torch.randn(8) > 0
+    out = ckpt.checkpoint(lambda t, m: layer(t) * m.type_as(t), x, mask)
+    out.sum().backward()
+    assert torch.equal(x.grad, layer.weight.t().mv(mask.float()))
+    with storage.recording() as sessions, torch.no_grad():
+        ckpt.reset()
+        ckpt.checkpoint(layer, x)
+    assert sessions == [] and ckpt._cpu_offload_engine is None

@@ -82,32 +82,36 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from acshim.testing import hf_model, hf_inputs, train_step
 dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=0, world_size=1)
 expected = train_step(hf_model("llama"), hf_inputs("llama"))
-plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True,
-                                        activation_checkpointing_offload=OFFLOAD, auto_wrap_policy="transformer_based_wrap")
-accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
-model = hf_model("llama")
-plugin.set_auto_wrap_policy(model)
-model = accelerate.accelerator.fsdp2_apply_ac(accelerator, model)  # the name Accelerator._prepare_fsdp2 calls
-print("REGIONS", hf.acshim_regions(model))
-for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(model)
-actual = train_step(model, hf_inputs("llama"))
 full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
-same = expected.keys() == actual.keys() and all(torch.equal(full(actual[k]), v) for k, v in expected.items())
-print("EQUAL", same)
+for offload in (False, True):
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True,
+                                            activation_checkpointing_offload=offload, auto_wrap_policy="transformer_based_wrap")
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    model = hf_model("llama")
+    plugin.set_auto_wrap_policy(model)
+    model = accelerate.accelerator.fsdp2_apply_ac(accelerator, model)  # the name Accelerator._prepare_fsdp2 calls
+    print("OFFLOAD", offload, "REGIONS", hf.acshim_regions(model))
+    print("OFFLOAD", offload, "SCOPE", type(model.model.layers[0].forward.options.saved_tensors_scope).__name__)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    actual = train_step(model, hf_inputs("llama"))
+    same = expected.keys() == actual.keys() and all(torch.equal(full(actual[k]), v) for k, v in expected.items())
+    print("OFFLOAD", offload, "EQUAL", same)
 dist.destroy_process_group()
 """)
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["no_offload", "offload"])
-def test_fsdp2_activation_checkpointing_on_gloo_goes_through_engine(offload, tmp_path):
+def test_fsdp2_activation_checkpointing_on_gloo_goes_through_engine(tmp_path):
+    """With and without activation_checkpointing_offload, in one subprocess (process group)."""
     pytest.importorskip("accelerate")
-    result = subprocess.run([sys.executable, "-c", FSDP2_SCRIPT.replace("OFFLOAD", str(offload))],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-c", FSDP2_SCRIPT], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "REGIONS ['model.layers.0', 'model.layers.1', 'model.layers.2']" in result.stdout, result.stdout
-    assert "EQUAL True" in result.stdout, result.stdout
+    for offload in (False, True):
+        assert f"OFFLOAD {offload} REGIONS ['model.layers.0', 'model.layers.1', 'model.layers.2']" in result.stdout
+        assert f"OFFLOAD {offload} EQUAL True" in result.stdout, result.stdout
+    assert "OFFLOAD True SCOPE BoundaryOffload" in result.stdout and "OFFLOAD False SCOPE NoneType" in result.stdout
 
 
 NO_CHECKPOINTING_SCRIPT = textwrap.dedent("""

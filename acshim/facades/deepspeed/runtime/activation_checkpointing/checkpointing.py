@@ -221,7 +221,8 @@ def _region_options(reentrant: bool) -> RegionOptions:
         preserve_rng_state=True,  # upstream always restores CPU, device and tracker RNG
         # the observer must see the recompute end; upstream also replays the whole function
         early_stop=observer is None,
-        saved_tensors_scope=_host_offload_scope() if STATE.CPU_CHECKPOINT else None,
+        # as upstream, offload only when a backward will run
+        saved_tensors_scope=_host_offload_scope() if STATE.CPU_CHECKPOINT and torch.is_grad_enabled() else None,
         observer=observer,
     )
 

@@ -1,0 +1,55 @@
+"""The native extension: built once and cached, reported by status(), and a missing compiler
+falls back to the Python path with exactly one warning (results identical: see test_disk.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from acshim.backends.fileio import PythonFileIO
+from acshim.storage import native
+
+
+def test_status_reports_native_path_when_the_extension_builds():
+    status = native.status()
+    assert status.path == "native", status  # this machine has a compiler; CI too
+    assert "loaded" in status.reason and status.build_directory
+    assert isinstance(native.file_io(), native.NativeFileIO)
+    assert native.build(verbose=False).path == "native"  # `acshim build-ext`: cached, no rebuild
+
+
+def test_environment_variable_forces_the_python_path(monkeypatch):
+    monkeypatch.setenv(native.ENVIRONMENT_VARIABLE, "0")
+    assert isinstance(native.file_io(), PythonFileIO)
+    status = native.status()
+    assert status.path == "python" and native.ENVIRONMENT_VARIABLE in status.reason
+
+
+def test_missing_compiler_falls_back_with_one_warning(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise OSError("g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(native, "_loader", native._Loader())
+    monkeypatch.delenv(native.ENVIRONMENT_VARIABLE, raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engines = [native.file_io() for _ in range(3)]
+    assert all(isinstance(engine, PythonFileIO) for engine in engines)
+    assert len([w for w in caught if "Python path" in str(w.message)]) == 1
+    status = native.status(load=False)
+    assert status.path == "python" and "command not found" in status.reason
+    with pytest.raises(RuntimeError, match="did not build"):
+        native.build(verbose=False)
+    with pytest.raises(RuntimeError, match="native=True"):
+        native.file_io(True)
+
+
+def test_cuda_pack_kernels_are_not_built_without_cuda():
+    assert not torch.cuda.is_available()
+    assert native.pack_module() is None
+    assert native.status().cuda_pack.startswith("not built")
