@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import os
 import platform
+import shutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -181,7 +182,11 @@ def compat_command(args: argparse.Namespace) -> int:
     except (FileNotFoundError, compat.CompatError) as error:
         print(f"acshim compat: {error}", file=sys.stderr)
         return 1
-    print(compat.render_markdown(rows) if args.markdown else compat.render_text(rows), end="")
+    if args.markdown:
+        print(compat.render_markdown(rows), end="")
+    else:  # on a terminal, one line per row; piped, whole reasons
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        print(compat.render_text(rows, width), end="")
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import rng, structures
 from .batchnorm import running_stats_frozen
@@ -82,7 +83,7 @@ class _RegionCall:
                 stack.enter_context(rng.restored_tracker_states(self.tracker_states))
             stack.enter_context(_flag("is_checkpointing", False))
             stack.enter_context(enable_recomputing())
-            stack.enter_context(running_stats_frozen())
+            stack.enter_context(_batchnorm_guard(self.function))
             _notify(observer, "recompute_start", self.function)
             # torch stops an early-stopped recompute with an exception: report the end regardless
             stack.callback(_notify, observer, "recompute_end", self.function)
@@ -212,7 +213,7 @@ class _ReentrantRegion(torch.autograd.Function):
                 stack.enter_context(torch.autocast(**autocast_kwargs))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(enable_recomputing())
-            stack.enter_context(running_stats_frozen())
+            stack.enter_context(_batchnorm_guard(spec.function))
             _notify(options.observer, "recompute_start", spec.function)
             output = spec.call(inputs)
         _notify(options.observer, "recompute_end", spec.function)
@@ -254,15 +255,28 @@ def _run_reentrant(
     return spec.rebuild_output(out_leaves)
 
 
-def _may_have_trainable_parameters(function: Callable[..., Any]) -> bool:
-    """False only when ``function`` is known to be a module (or a bound method / partial of one)
-    none of whose parameters requires grad; unknown callables may close over parameters."""
+def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module ``function`` is, or is a bound method / partial of; None for other callables."""
     while isinstance(function, functools.partial):
         function = function.func
     owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
-    if not isinstance(owner, torch.nn.Module):
-        return True
-    return any(p.requires_grad for p in owner.parameters())
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+def _may_have_trainable_parameters(function: Callable[..., Any]) -> bool:
+    """False only when ``function`` is known to be a module none of whose parameters requires grad;
+    unknown callables may close over parameters."""
+    owner = _owning_module(function)
+    return owner is None or any(p.requires_grad for p in owner.parameters())
+
+
+def _batchnorm_guard(function: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
+    """The BatchNorm statistics guard for a recompute, skipped for a module known to hold no
+    BatchNorm (the guard's global hook slows every module call of the recompute)."""
+    owner = _owning_module(function)
+    if owner is not None and not any(isinstance(m, _BatchNorm) for m in owner.modules()):
+        return contextlib.nullcontext()
+    return running_stats_frozen()
 
 
 def _notify(observer: Any, event: str, region: Callable[..., Any]) -> None:

@@ -3,7 +3,8 @@
 ``Backend`` (``base.py``) is the interface: issue a copy out, issue a copy in, wait, release.
 ``CpuBackend`` moves CPU tensors with worker threads (host memory, disk files), ``CudaBackend``
 with a side stream, pinned host memory and events, and ``SimulatedBackend`` (tests, benchmarks)
-sleeps per byte so prefetch overlap can be measured on a CPU. ``backend_for`` picks by device.
+models a link of a given bandwidth (each copy lands at a per-byte deadline) so prefetch overlap
+can be measured on a CPU. ``backend_for`` picks by device.
 """
 
 from __future__ import annotations

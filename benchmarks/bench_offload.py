@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import memory_probe  # noqa: E402  (sibling module, found through the path above)
+import memory_probe
 
 MiB = 2**20
 FULL = dict(n_layer=8, n_embd=512, seq=256)
@@ -108,8 +108,9 @@ def time_ratios(size: dict[str, int], rounds: int, prefetch: int) -> dict[str, f
 
 def simulated_overlap(layers: int = 12, width: int = 256, bytes_per_second: float = 2e9) -> dict[str, float]:
     """Seconds backward waits for copies in, per horizon, with a simulated link of ``bytes_per_second``."""
-    import acshim
     from acshim.backends import SimulatedBackend
+
+    import acshim
     from acshim.testing import tiny_sequential
 
     torch.manual_seed(0)

@@ -84,6 +84,22 @@ def runs_on_real_upstream(path: Path) -> bool:
 
 PLAIN_EXAMPLES = [p for p in EXAMPLES if runs_on_real_upstream(p)]
 
+# Installed upstream packages whose facade can also serve the whole import name: hiding the real
+# package exercises the other path of ``acshim run`` (facade served under the upstream name).
+HIDEABLE = ("deepspeed", "fairscale")
+HIDDEN_EXAMPLES = [p for p in EXAMPLES if upstreams_used(p) & {u for u in HIDEABLE if UPSTREAMS.get(u)}]
+HIDING_LAUNCHER = """
+import importlib.abc, sys
+HIDDEN = {hidden!r}
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Hide())
+from acshim.cli import main
+sys.exit(main(["run", *sys.argv[1:]]))
+"""
+
 
 def _free_port() -> str:
     with socket.socket() as sock:
@@ -98,6 +114,9 @@ def _command(example: Path, variant: str) -> list[str]:
         if preludes:
             return [sys.executable, "-c", LAUNCHER.format(prelude="\n".join(preludes)), relative]
         return [sys.executable, relative]
+    if variant == "hidden-upstream":
+        hidden = sorted(upstreams_used(example) & set(HIDEABLE))
+        return [sys.executable, "-c", HIDING_LAUNCHER.format(hidden=hidden), relative]
     extra = ["--no-checkpointing"] if variant == "no-checkpointing" else []
     return [sys.executable, "-m", "acshim", "run", relative, *extra]
 
@@ -147,8 +166,9 @@ def example_runs(request: pytest.FixtureRequest) -> Iterator[ExampleRuns]:
         if item.module is not request.module or callspec is None or "example" not in callspec.params:
             continue
         example = callspec.params["example"]
-        variants = ["plain"] if item.originalname == "test_example_matches_the_real_upstream_library" \
-            else ["checkpointing", "no-checkpointing"]
+        variants = {"test_example_matches_the_real_upstream_library": ["plain"],
+                    "test_example_runs_on_the_facade_when_upstream_is_hidden": ["hidden-upstream"]}.get(
+            item.originalname, ["checkpointing", "no-checkpointing"])
         jobs += [(example, v) for v in variants if (example, v) not in jobs]
     runs = ExampleRuns(jobs)
     yield runs
@@ -174,3 +194,11 @@ def test_example_matches_the_real_upstream_library(example: Path, example_runs: 
     if example.stem in UPSTREAM_NOT_BITWISE:
         pytest.skip(f"upstream ran, digest not compared: {UPSTREAM_NOT_BITWISE[example.stem]}")
     assert upstream == example_runs.digest(example, "no-checkpointing")
+
+
+@pytest.mark.parametrize("example", HIDDEN_EXAMPLES, ids=lambda p: p.stem)
+def test_example_runs_on_the_facade_when_upstream_is_hidden(example: Path, example_runs: ExampleRuns) -> None:
+    """With the installed DeepSpeed / FairScale hidden, ``import deepspeed`` & co. resolve to the
+    facade under ``acshim run``: same digest as the checkpoint-free run."""
+    example_runs.start(example, "hidden-upstream", "no-checkpointing")
+    assert example_runs.digest(example, "hidden-upstream") == example_runs.digest(example, "no-checkpointing")

@@ -136,7 +136,7 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class no_offload:  # noqa: N801 - a context-manager name, like torch.no_grad
+class no_offload:
     """Keep every tensor saved inside this block where it is, even inside an enclosing ``offload()``
     or a region with ``boundary_offload`` (torchtune's ``NoOpManager``, extended to both scopes).
 

@@ -306,3 +306,24 @@ def test_facade_can_set_the_grad_error_wording() -> None:
     out = acshim.run_region(torch.sin, (x,), {}, options)
     with pytest.raises(RuntimeError, match=r"^Checkpointing is not compatible with \.grad\(\)$"):
         torch.autograd.grad(out.sum(), x)
+
+
+@pytest.mark.parametrize("reentrant", MODES)
+def test_batchnorm_guard_hook_only_for_regions_that_may_hold_batchnorm(reentrant: bool) -> None:
+    seen: list[int] = []
+
+    class Probe(nn.Module):
+        def __init__(self, with_bn: bool) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4) if with_bn else nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(len(torch.nn.modules.module._global_forward_pre_hooks))
+            return self.bn(self.fc(x))
+
+    for with_bn in (False, True):
+        seen.clear()
+        module = Probe(with_bn)
+        acshim.run_region(module, (torch.randn(3, 4),), {}, acshim.RegionOptions(reentrant=reentrant)).sum().backward()
+        assert seen == [0, 1 if with_bn else 0]  # forward, recompute

@@ -1,15 +1,15 @@
-"""Prefetch, measured with the simulated-transfer backend (sleeps per byte in a worker thread):
+"""Prefetch, measured with the simulated-transfer backend (copies finish at per-byte deadlines):
 H >= 1 hides the transfer time H = 0 exposes; order and horizon are respected; nothing is late."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from acshim.backends import SimulatedBackend
 
 import acshim
-from acshim.backends import SimulatedBackend
 from acshim.storage import boundary_offload, offload
-from acshim.testing import seeded, tiny_sequential
+from acshim.testing import tiny_sequential
 
 REGIONS = 8
 WIDTH = 128
