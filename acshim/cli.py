@@ -121,18 +121,22 @@ def run_command(argv: list[str]) -> int:
         print(f"usage: {RUN_USAGE}\n{parsed}", file=sys.stderr)
         return 2
     flags, script, module, args = parsed
-    if script is not None and not os.path.isfile(script):
+    if script is not None and not os.path.exists(script):
         print(f"acshim run: can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory",
               file=sys.stderr)
         return 2
 
-    from .patching import install
+    from .patching import PatchError, install
     from .patching.children import children_requested, enable_children
     from .patching.runner import run_module, run_script, script_traceback
 
     if flags["children"] or children_requested():
         enable_children(hf=flags["hf"])
-    install(hf=flags["hf"])
+    try:
+        install(hf=flags["hf"])
+    except (PatchError, ImportError) as error:
+        print(f"acshim run: could not install the patches (nothing was changed): {error}", file=sys.stderr)
+        return 1
     if module is not None:
         import importlib.util
 

@@ -27,7 +27,7 @@ from acshim.patching.dialects import DIALECTS, decide, module_exists
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 GRADS_LINE = re.compile(r"GRADS [0-9a-f]{64}")
-PARALLEL_RUNS = 3
+PARALLEL_RUNS = min(3, os.cpu_count() or 2)
 TIMEOUT_SECONDS = 600
 
 # Examples whose plain-upstream run is not bitwise equal to the checkpoint-free run, and why.

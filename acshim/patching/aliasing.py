@@ -46,8 +46,12 @@ class FacadeFinder(importlib.abc.MetaPathFinder):
             return None
         try:
             facade_spec = importlib.util.find_spec(facade_name)
-        except ModuleNotFoundError:
-            return None
+        except ModuleNotFoundError as error:
+            # The facade lacks this module (or a parent of it): not ours to serve. Any other missing
+            # module is a real error inside the facade and must surface as such.
+            if error.name is not None and (facade_name + ".").startswith(error.name + "."):
+                return None
+            raise
         if facade_spec is None:
             return None
         return importlib.machinery.ModuleSpec(

@@ -54,7 +54,7 @@ DIALECTS: tuple[Dialect, ...] = (
 )
 
 # Import names whose first import makes a child process install the patches (see childsite/).
-TRIGGER_NAMES: tuple[str, ...] = tuple(d.upstream for d in DIALECTS) + ("transformers",)
+TRIGGER_NAMES: tuple[str, ...] = tuple(d.upstream for d in DIALECTS) + ("transformers", "accelerate")
 
 
 def dialect_named(name: str) -> Dialect:

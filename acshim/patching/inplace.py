@@ -85,8 +85,7 @@ def make_replacement(original: Any, facade_object: Any) -> Any:
     """What goes in place of ``original``: a wrapt wrapper forwarding to the facade for plain
     functions, the facade object itself for classes, descriptors and values."""
     if _is_plain_function(original):
-        wrapper = wrapt.FunctionWrapper(original, _forward_to(facade_object))
-        return wrapper
+        return wrapt.FunctionWrapper(original, _forward_to(facade_object))
     return facade_object
 
 

@@ -78,8 +78,9 @@ def install(*, dialects: Iterable[str | Dialect] | None = None, hf: bool = False
 
     ``dialects`` limits the dialects served (names from ``acshim.patching.DIALECTS``, default
     all). ``transformers`` hands HF's checkpointing entry points to ``acshim.hf`` (when it provides
-    ``install``); ``hf=True`` also calls ``acshim.patch_transformers()`` so every HF model is
-    checkpointed automatically. Both wait for ``import transformers`` if it has not happened yet.
+    ``install``; it does not import transformers); ``hf=True`` also calls
+    ``acshim.patch_transformers()`` so every HF model is checkpointed automatically, at
+    ``import transformers`` if that has not happened yet.
 
     Raises ``PatchError`` (or the import error of a broken facade) after undoing everything it
     had changed. Calling it again while installed returns the current installation unchanged;

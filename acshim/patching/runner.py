@@ -19,6 +19,7 @@ import os
 import runpy
 import sys
 import types
+import zipfile
 from collections.abc import Sequence
 
 
@@ -27,8 +28,16 @@ class ScriptNotFound(OSError):
 
 
 def run_script(path: str, args: Sequence[str] = ()) -> None:
-    """Execute the file ``path`` as ``__main__`` with ``sys.argv = [path, *args]``."""
+    """Execute the file ``path`` as ``__main__`` with ``sys.argv = [path, *args]``. A directory or
+    zip file with a ``__main__.py`` runs through ``runpy.run_path`` (there ``sys.argv[0]`` is the
+    absolute path, where python keeps it as typed)."""
     absolute = os.path.abspath(path)
+    if os.path.isdir(absolute) or zipfile.is_zipfile(absolute):
+        sys.argv[:] = [absolute, *args]
+        if sys.path:
+            del sys.path[0]  # run_path puts the directory / archive there, as python does
+        runpy.run_path(absolute, run_name="__main__")
+        return
     try:
         with io.open_code(absolute) as file:
             source = file.read()

@@ -102,6 +102,9 @@ class DiskTier:
     """Private files for saved tensors. Thread-safe; ``io`` is a ``PythonFileIO``/``NativeFileIO``."""
 
     kind = "disk"
+    max_bytes_in_flight = 8 << 20
+    """Bytes waiting to be written before forward waits: small, so host memory really drops even
+    when the disk is slower than forward (the session's back-pressure)."""
 
     def __init__(self, io: Any, directory: str | None = None, direct: bool | None = None,
                  file_bytes: int = 1 << 30) -> None:

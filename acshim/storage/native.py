@@ -137,9 +137,11 @@ def file_io(native: bool | None = None) -> Any:
         return _loader.io
 
 
-def _cuda_pack_state() -> str:
+def _cuda_pack_state(load: bool = True) -> str:
     if not torch.cuda.is_available():
         return "not built: no CUDA device"
+    if not load and not _pack:
+        return "not built yet (acshim build-ext builds it)"
     from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None:
@@ -168,14 +170,22 @@ def pack_module() -> ModuleType | None:
     return _pack[0]
 
 
+def _built() -> bool:
+    directory = build_directory()
+    return os.path.isdir(directory) and any(name.endswith(".so") for name in os.listdir(directory))
+
+
 def status(load: bool = True) -> NativeStatus:
-    """Which path the disk tier uses and why. ``load=False`` reports without compiling anything."""
+    """Which path the disk tier uses and why. ``load=False`` compiles nothing: it loads the cached
+    build if there is one, else reports that the first disk-tier use (or ``acshim build-ext``) builds it."""
     if _forced_python():
         path, reason = "python", f"forced by {ENVIRONMENT_VARIABLE}={os.environ[ENVIRONMENT_VARIABLE]}"
+    elif not load and not _loader.attempted and not _built():
+        path, reason = "python", "not built yet: the first disk-tier use builds it (or run acshim build-ext)"
     else:
-        module = _loader.load() if load else _loader.module
+        module = _loader.load()
         path, reason = ("native" if module is not None else "python"), _loader.reason
-    cuda = _cuda_pack_state() if load else "not checked"
+    cuda = _cuda_pack_state(load)
     return NativeStatus(path=path, reason=reason, build_directory=build_directory(), cuda_pack=cuda)
 
 

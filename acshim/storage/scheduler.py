@@ -35,6 +35,7 @@ class PrefetchScheduler:
     """Groups, the resident window and the prefetch window of one offload scope. Thread-safe."""
 
     TRACE_LENGTH = 4096
+    PRUNE_AT = 256
 
     def __init__(self, horizon: int) -> None:
         self.horizon = horizon
@@ -48,8 +49,16 @@ class PrefetchScheduler:
         """Begin the next group; returns the handles now due to be sent out."""
         with self._lock:
             self.current += 1
+            if len(self._stored) > self.PRUNE_AT:
+                self._prune()
             due_groups = [g for g in self._resident if g <= self.current - self.horizon]
             return self._take(self._resident, due_groups)
+
+    def _prune(self) -> None:
+        # Groups of graphs freed without a backward (evaluation with grad on, a failed step) would
+        # otherwise stay listed forever in a long-lived (boundary) schedule.
+        for group in [g for g, refs in self._stored.items() if all(ref() is None for ref in refs)]:
+            del self._stored[group]
 
     def add(self, handle: Any) -> bool:
         """Put ``handle`` in the current group; True if it must be sent out now (H = 0)."""

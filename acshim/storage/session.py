@@ -27,6 +27,11 @@ from .scheduler import PrefetchScheduler
 
 _opt_out = threading.local()
 
+DEFAULT_BYTES_IN_FLIGHT = 256 << 20
+"""Back-pressure: when the tier is slower than forward, at most this many bytes wait to be copied
+out (still held where they were) before forward waits for the oldest copy. A tier may set its own
+``max_bytes_in_flight`` (the disk tier keeps it small: freeing host memory is its whole point)."""
+
 
 def opted_out() -> bool:
     """True inside ``no_offload()`` on this thread."""
@@ -95,6 +100,8 @@ class OffloadSession:
         self.scheduler = PrefetchScheduler(prefetch)
         self.stats = OffloadStats(storage, prefetch)
         self._writing: deque[StoredTensor] = deque()
+        self._writing_bytes = 0
+        self.max_bytes_in_flight: int = getattr(tier, "max_bytes_in_flight", DEFAULT_BYTES_IN_FLIGHT)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[StoredTensor]]] = {}
         self._lock = threading.RLock()
         _notify_recorders(self)
@@ -148,7 +155,10 @@ class OffloadSession:
         weakref.finalize(handle, handle.backend.release, handle.out, self.tier)
         self.scheduler.sent_out(handle)
         self._writing.append(handle)
+        self._writing_bytes += handle.layout.nbytes
         self.stats.sent_out += 1
+        if self._writing_bytes > self.max_bytes_in_flight:
+            self.raise_write_errors(wait=False)
 
     def _already_saved(self, tensor: torch.Tensor) -> StoredTensor | None:
         entry = self._seen.get(id(tensor))
@@ -167,12 +177,15 @@ class OffloadSession:
         seen[key] = (weakref.ref(tensor, forget), weakref.ref(handle))
 
     def raise_write_errors(self, wait: bool) -> None:
-        """Raise ``OffloadIOError`` for a finished copy out that failed (``wait``: for all issued
-        copies). The failed tensor is kept in memory, so its graph still works."""
+        """Collect finished copies out, waiting for the oldest while more than
+        ``max_bytes_in_flight`` are pending (``wait``: for all of them); raise ``OffloadIOError`` if
+        one failed. The failed tensor is kept in memory, so its graph still works."""
         failures: list[tuple[StoredTensor, TransferFailed]] = []
         with self._lock:
-            while self._writing and (wait or self._writing[0].backend.done(self._writing[0].out)):
+            while self._writing and (wait or self._writing_bytes > self.max_bytes_in_flight
+                                     or self._writing[0].backend.done(self._writing[0].out)):
                 handle = self._writing.popleft()
+                self._writing_bytes -= handle.layout.nbytes
                 try:
                     handle.backend.wait(handle.out)
                 except TransferFailed as failure:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from acshim.patching.children import childsite_dir, enable_children
 from acshim.patching.dialects import TRIGGER_NAMES
@@ -25,12 +29,13 @@ def probe(queue):
         queue.put(f"ImportError: {error}")
 
 if __name__ == "__main__":
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=probe, args=(queue,))
-    child.start()
-    print("spawn child:", queue.get(timeout=600))
-    child.join()
+    if "--no-spawn" not in sys.argv:
+        context = mp.get_context("spawn")
+        queue = context.Queue()
+        child = context.Process(target=probe, args=(queue,))
+        child.start()
+        print("spawn child:", queue.get(timeout=600))
+        child.join()
     code = "import smdistributed, sys; print(smdistributed.__name__)"
     grandchild = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     print("subprocess:", grandchild.stdout.strip() or grandchild.stderr.strip().splitlines()[-1])
@@ -66,9 +71,9 @@ def test_children_flag_patches_spawned_and_subprocess_children_and_keeps_user_si
 
 def test_environment_variable_opts_in_like_the_flag(tmp_path: Path, run_acshim) -> None:
     _write_project(tmp_path)
-    result = run_acshim("run", "spawning.py", cwd=tmp_path, env={"ACSHIM_PATCH_CHILDREN": "1"})
+    result = run_acshim("run", "spawning.py", "--no-spawn", cwd=tmp_path, env={"ACSHIM_PATCH_CHILDREN": "1"})
     assert result.returncode == 0, result.stderr
-    assert "spawn child: acshim.facades.smdistributed.modelparallel.torch" in result.stdout
+    assert "subprocess: acshim.facades.smdistributed" in result.stdout
 
 
 def test_child_that_never_imports_an_upstream_name_does_not_import_acshim(tmp_path: Path, run_python) -> None:
@@ -94,3 +99,18 @@ def test_bootstrap_triggers_on_every_dialect_import_name() -> None:
     assigned = next(node for node in ast.parse(source).body
                     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TRIGGER_NAMES")
     assert ast.literal_eval(assigned.value) == TRIGGER_NAMES
+
+
+def test_child_interpreter_without_acshim_warns_and_runs_unpatched(tmp_path: Path, plain_env: dict[str, str]) -> None:
+    """A child started with another interpreter (here the base Python, outside the venv) cannot
+    import acshim: it says so once and imports go on as without acshim."""
+    base_python = getattr(sys, "_base_executable", None)
+    if not base_python or sys.prefix == sys.base_prefix:  # not in a virtual environment
+        pytest.skip("no interpreter outside this environment to start")
+    environment = dict(plain_env)
+    enable_children(environ=environment)
+    result = subprocess.run([base_python, "-c", "import json; import smdistributed"], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1
+    assert "cannot import acshim" in result.stderr and "runs without acshim's patches" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'smdistributed'"

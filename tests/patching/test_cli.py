@@ -108,3 +108,18 @@ def test_demo_hands_every_argument_to_the_demo(monkeypatch: pytest.MonkeyPatch) 
 def test_no_verb_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert "compat" in capsys.readouterr().out
+
+
+def test_run_reports_a_failed_install_without_running_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import acshim.patching
+
+    def failing_install(**options: object) -> None:
+        raise acshim.patching.PatchError("fakefacade.ACSHIM_PATCHES names 'x.y' for z.w, which does not resolve")
+
+    monkeypatch.setattr(acshim.patching, "install", failing_install)
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    assert cli.main(["run", str(script)]) == 1
+    assert "could not install the patches (nothing was changed): fakefacade.ACSHIM_PATCHES" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()

@@ -3,25 +3,39 @@ H >= 1 hides the transfer time H = 0 exposes; order and horizon are respected; n
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from acshim.backends import SimulatedBackend
 
 import acshim
 from acshim.storage import boundary_offload, offload
-from acshim.testing import tiny_sequential
+from acshim.testing import MLPBlock
 
 REGIONS = 8
-WIDTH = 128
-ROWS = 512
-# A region's boundary input is 256 KiB: ~2 ms per simulated transfer; its recompute and backward take
-# ~400 MFLOP (>= 10 ms on one core here), so a transfer issued one region ahead has time to land.
-SECONDS_PER_BYTE = 8e-9
+WIDTH = 64
+ROWS = 128
+SECONDS_PER_BYTE = 6e-8  # a region's boundary input is 32 KiB: ~2 ms per simulated transfer
+REGION_SECONDS = 0.006  # each region's forward (and so its recompute) takes at least this long
+
+
+class _TimedBlock(torch.nn.Module):
+    """An MLP block whose forward takes at least ``REGION_SECONDS``: a floor on compute per region
+    that does not depend on how loaded the machine is (sleeping uses no CPU, like a GPU kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLPBlock(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(REGION_SECONDS)
+        return self.mlp(x)
 
 
 def _backward_with(prefetch: int) -> tuple[acshim.storage.BoundaryOffload, SimulatedBackend]:
     torch.manual_seed(0)
-    model = tiny_sequential(REGIONS, WIDTH)
+    model = torch.nn.Sequential(*[_TimedBlock() for _ in range(REGIONS)])
     backend = SimulatedBackend(SECONDS_PER_BYTE)
     scope = boundary_offload("host", prefetch, min_bytes=0, backend=backend)
     acshim.apply_checkpointing(model, saved_tensors_scope=scope)
@@ -72,3 +86,13 @@ def test_offload_scope_prefetches_saved_tensors_in_order():
     assert scope.stats.moved == 12 and scope.stats.sent_out == 10
     assert all(0 <= f.at_group - f.group <= 2 for f in fetches)
     assert sorted(f.group for f in fetches) == list(range(10))
+
+
+def test_schedule_forgets_graphs_freed_without_backward():
+    scope = boundary_offload("host", 1, min_bytes=0, backend=SimulatedBackend(0.0))
+    model = torch.nn.Sequential(*[MLPBlock(16) for _ in range(4)])
+    acshim.apply_checkpointing(model, saved_tensors_scope=scope)
+    for _ in range(80):  # 320 groups of graphs that are dropped, never backwarded
+        model(torch.randn(4, 16))
+    scheduler = scope.session.scheduler
+    assert len(scheduler._stored) <= scheduler.PRUNE_AT + 1 and len(scheduler._resident) <= 1

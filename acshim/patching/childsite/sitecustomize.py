@@ -4,8 +4,8 @@ Python imports ``sitecustomize`` at start-up. With ``ACSHIM_PATCH_CHILDREN=1`` i
 this one puts a small finder on ``sys.meta_path`` that calls ``acshim.patching.install()`` the
 first time the process imports one of the upstream names acshim serves (``deepspeed``,
 ``fairscale``, ``smdistributed``, ``torch.sagemaker``, ``modalities``, PyTorch's checkpoint_wrapper,
-``transformers``). Processes that never import them (multiprocessing's resource tracker, build
-tools) never import torch because of acshim. Any other ``sitecustomize`` on the path still runs.
+``transformers``, ``accelerate``). Processes that never import them (multiprocessing's resource
+tracker, build tools) never import torch because of acshim. Any other ``sitecustomize`` on the path still runs.
 
 This file must not import acshim at start-up: it is kept free of anything but the standard library.
 """
@@ -27,6 +27,7 @@ TRIGGER_NAMES = (
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     "modalities",
     "transformers",
+    "accelerate",
 )
 
 
@@ -42,8 +43,12 @@ class _InstallOnFirstImport(importlib.abc.MetaPathFinder):
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        from acshim.patching import install
-
+        try:
+            from acshim.patching import install
+        except ImportError as error:  # this interpreter cannot see acshim (another venv, -I ...)
+            sys.stderr.write(f"acshim: child process {sys.executable} cannot import acshim ({error}); "
+                             "it runs without acshim's patches\n")
+            return None
         install(hf=os.environ.get("ACSHIM_PATCH_HF") == "1")
         if fullname in sys.modules:  # installing imported it already: hand back that very module
             return importlib.machinery.ModuleSpec(fullname, _Existing(), is_package=hasattr(sys.modules[fullname], "__path__"))
