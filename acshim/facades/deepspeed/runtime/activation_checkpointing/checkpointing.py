@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from acshim import rng as _rng
-from acshim import structures
 from acshim.options import RegionOptions
 from acshim.region import run_region
 
@@ -183,6 +182,8 @@ def merge_tensors(tensor_objects: Any, non_tensor_objects: Any, tensor_flags: An
 # checkpoint
 
 
+GRAD_ERROR = "Checkpointing is not compatible with .grad(), please use .backward() if possible"
+
 HOST_OFFLOAD_PREFETCH = 1
 """Regions whose inputs stay resident at the end of forward and are fetched ahead in backward:
 upstream 0.19's offload engine keeps the last checkpoint's inputs too (``keep_last_count=1``)."""
@@ -219,39 +220,16 @@ def _region_options(reentrant: bool) -> RegionOptions:
     return RegionOptions(
         reentrant=reentrant,
         preserve_rng_state=True,  # upstream always restores CPU, device and tracker RNG
-        # the observer must see the recompute end; upstream also replays the whole function
-        early_stop=observer is None,
+        grad_error_message=GRAD_ERROR,
         # as upstream, offload only when a backward will run
         saved_tensors_scope=_host_offload_scope() if STATE.CPU_CHECKPOINT and torch.is_grad_enabled() else None,
         observer=observer,
     )
 
 
-def _aliased_outputs(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` whose tensor outputs, when computed without grad (a reentrant region's
-    forward), are returned as detached aliases.
-
-    Workaround for the engine's reentrant region: it hands the function's output objects to
-    autograd, which rewires them in place; a tensor that existed before the call (a module's
-    constant returned as an output) then carries the region's own grad_fn, and the recompute's
-    inner backward recurses into itself forever. Aliases share storage, so nothing is copied.
-    """
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        output = function(*args, **kwargs)
-        if torch.is_grad_enabled():
-            return output
-        leaves, rebuild = structures.flatten(output)
-        return rebuild([leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
-
-    return call
-
-
 def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None,
          reentrant: bool) -> Any:
     options = _region_options(reentrant)
-    if reentrant:
-        function = _aliased_outputs(function)
     observer = options.observer
     if observer is not None and not torch.is_grad_enabled():
         # the engine runs a plain call without grad; upstream still times/synchronizes the forward
