@@ -29,13 +29,17 @@ def build_options(options: RegionOptions | None = None, **changes: Any) -> Regio
 
 
 def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options: RegionOptions | None = None,
+                        storage: str | None = None, prefetch: int | None = None, directory: str | None = None,
                         **option_changes: Any) -> list[str]:
     """Turn the submodules ``policy`` selects into checkpointed regions, in place.
 
     ``policy``: a ``Policy`` (``Blocks``, ``ByClass``, ``ByName``, ``Predicate``, ``EveryNth``,
     ``SequentialStrategy``) or a shorthand (None = the repeated blocks, a class, a name glob, a
     predicate). Remaining keywords are ``RegionOptions`` fields (``reentrant``,
-    ``preserve_rng_state``…). Module objects, parameters and ``state_dict`` keys are unchanged.
+    ``preserve_rng_state``, ``context_fn``…). ``storage`` (``"host"`` or ``"disk"``), ``prefetch``
+    and ``directory`` send every region's saved inputs to the storage tier, shared by the model's
+    regions so backward fetches ``prefetch`` regions ahead (see ``acshim.offload``). Module objects,
+    parameters and ``state_dict`` keys are unchanged.
     Idempotent: applying again re-targets without nesting. Returns the names made into regions.
 
     >>> acshim.apply_checkpointing(model)                       # every transformer block
@@ -43,6 +47,13 @@ def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}")
+    if storage is None and (prefetch is not None or directory is not None):
+        raise ValueError("apply_checkpointing: prefetch= and directory= configure the storage tier; pass "
+                         "storage='host' or storage='disk' as well")
+    if storage is not None:
+        from .storage import region_option_changes
+
+        option_changes.update(region_option_changes(storage=storage, prefetch=prefetch, directory=directory))
     region_options = build_options(options, **option_changes)
     chosen = as_policy(policy)
     targets = chosen.select(model)

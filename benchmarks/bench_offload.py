@@ -108,9 +108,8 @@ def time_ratios(size: dict[str, int], rounds: int, prefetch: int) -> dict[str, f
 
 def simulated_overlap(layers: int = 12, width: int = 256, bytes_per_second: float = 2e9) -> dict[str, float]:
     """Seconds backward waits for copies in, per horizon, with a simulated link of ``bytes_per_second``."""
-    from acshim.backends import SimulatedBackend
-
     import acshim
+    from acshim.backends import SimulatedBackend
     from acshim.testing import tiny_sequential
 
     torch.manual_seed(0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from acshim.backends import Backend, CpuBackend, SimulatedBackend, backend_for
 
+from acshim.backends import Backend, CpuBackend, SimulatedBackend, backend_for
 from acshim.storage.disk import DiskTier
 from acshim.storage.host import HostTier
 from acshim.storage.native import file_io

@@ -16,8 +16,8 @@ import threading
 
 import pytest
 import torch
-from acshim.backends.fileio import PythonFileIO
 
+from acshim.backends.fileio import PythonFileIO
 from acshim.storage import OffloadIOError, offload
 from acshim.storage import disk as disk_module
 from acshim.storage.disk import DiskTier

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 import torch
-from acshim.backends.fileio import PythonFileIO
 
+from acshim.backends.fileio import PythonFileIO
 from acshim.storage import native
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from acshim.backends import SimulatedBackend
 
 import acshim
+from acshim.backends import SimulatedBackend
 from acshim.storage import boundary_offload, offload
 from acshim.testing import MLPBlock
 
