@@ -61,8 +61,8 @@ class Row:
 
 
 def matrix_dir() -> Path:
-    """The compat_matrix/ directory: ``$ACSHIM_COMPAT_DIR``, else the one next to the acshim
-    package in a source checkout. FileNotFoundError explains what to do when neither exists."""
+    """The compat_matrix/ directory: ``$ACSHIM_COMPAT_DIR``, else the one next to the acshim package
+    in a source checkout, else the copy installed with the package (``acshim._compat_matrix``)."""
     configured = os.environ.get(ENVIRONMENT_VARIABLE)
     if configured:
         path = Path(configured)
@@ -72,10 +72,12 @@ def matrix_dir() -> Path:
     path = Path(__file__).resolve().parent.parent / "compat_matrix"
     if path.is_dir():
         return path
+    installed = Path(__file__).resolve().parent / "_compat_matrix"
+    if installed.is_dir():
+        return installed
     raise FileNotFoundError(
-        "compat_matrix/ not found: the matrix ships with acshim's source checkout, not with the installed "
-        f"package. Run from a checkout (pip install -e .) or set {ENVIRONMENT_VARIABLE} to its compat_matrix/ "
-        "directory.")
+        "compat_matrix/ not found beside the package nor installed with it. Set "
+        f"{ENVIRONMENT_VARIABLE} to a compat_matrix/ directory of an acshim source checkout.")
 
 
 def load_rows(directory: Path | None = None) -> list[Row]:

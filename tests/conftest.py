@@ -7,7 +7,13 @@ session (exit code 1) with a message naming the row. Rows whose tests did not ru
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+# The suite checks this checkout's matrix, also when acshim is imported from an installed wheel.
+os.environ.setdefault("ACSHIM_COMPAT_DIR", str(Path(__file__).resolve().parent.parent / "compat_matrix"))
 
 # One pytest session per process: its test outcomes (node id -> passed/failed/skipped) and the
 # rows found over-claiming at the end.
