@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-ENV_VAR = "SM_HP_MP_PARAMETERS"
+from acshim.facades.smdistributed.modelparallel.torch.config import (
+    environment_config as _smp_environment_config,
+)
 
 DEFAULTS: dict[str, Any] = {
     "hybrid_shard_degree": 0,
@@ -61,16 +63,8 @@ def load_config_argument(config: str | os.PathLike[str] | Mapping[str, Any] | No
 
 
 def environment_config() -> dict[str, Any]:
-    raw = os.environ.get(ENV_VAR, "")
-    if not raw.strip():
-        return {}
-    try:
-        parsed = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{ENV_VAR} must hold a JSON object of SMP parameters: {error}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{ENV_VAR} must hold a JSON object of SMP parameters, got {type(parsed).__name__}")
-    return parsed
+    """The launcher's ``SM_HP_MP_PARAMETERS`` (shared with SMP v1); bad JSON raises ValueError."""
+    return _smp_environment_config(ValueError)
 
 
 def validate(values: dict[str, Any], world_size: int) -> None:

@@ -104,17 +104,18 @@ class SMPConfig:
         return self.values["pipeline_parallel_degree"]
 
 
-def environment_config() -> dict[str, Any]:
-    """The JSON object in ``SM_HP_MP_PARAMETERS`` (empty when unset)."""
+def environment_config(error: type[Exception] = SMPInvalidArgumentError) -> dict[str, Any]:
+    """The JSON object in ``SM_HP_MP_PARAMETERS`` (empty when unset), where the SageMaker launcher
+    puts the estimator's parameters for SMP v1 and v2 alike; ``error`` is raised for bad JSON."""
     raw = os.environ.get(ENV_VAR, "")
     if not raw.strip():
         return {}
     try:
         parsed = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise SMPInvalidArgumentError(f"{ENV_VAR} must hold a JSON object of SMP parameters: {error}") from None
+    except json.JSONDecodeError as problem:
+        raise error(f"{ENV_VAR} must hold a JSON object of SMP parameters: {problem}") from None
     if not isinstance(parsed, dict):
-        raise SMPInvalidArgumentError(f"{ENV_VAR} must hold a JSON object of SMP parameters, got {type(parsed).__name__}")
+        raise error(f"{ENV_VAR} must hold a JSON object of SMP parameters, got {type(parsed).__name__}")
     return parsed
 
 
