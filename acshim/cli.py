@@ -137,6 +137,12 @@ def run_command(argv: list[str]) -> int:
     except (PatchError, ImportError) as error:
         print(f"acshim run: could not install the patches (nothing was changed): {error}", file=sys.stderr)
         return 1
+    if os.environ.get("ACSHIM_REPORT_REGIONS") == "1":
+        import atexit
+
+        from .region import STATS
+
+        atexit.register(lambda: print(STATS, file=sys.stderr))
     if module is not None:
         import importlib.util
 

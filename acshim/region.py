@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,21 @@ REENTRANT_GRAD_ERROR = (
     "`inputs` parameter to .backward(). To resolve this error, you can either set "
     "use_reentrant=False, or call .backward() without passing the `inputs` argument."
 )
+
+
+@dataclass
+class RegionStats:
+    """Process-wide counts of region forwards and recomputes: evidence that a script really ran
+    on the engine (``acshim run`` prints them at exit when ``ACSHIM_REPORT_REGIONS=1``)."""
+
+    forwards: int = 0
+    recomputes: int = 0
+
+    def __str__(self) -> str:
+        return f"acshim: {self.forwards} region forwards, {self.recomputes} recomputes"
+
+
+STATS = RegionStats()
 
 
 def run_region(
@@ -73,6 +89,7 @@ class _RegionCall:
         self.calls += 1
         observer = self.options.observer
         if self.calls == 1:
+            STATS.forwards += 1
             _notify(observer, "forward_start", self.function)
             with enable_checkpointing():
                 output = self.function(*args, **kwargs)
@@ -84,6 +101,7 @@ class _RegionCall:
             stack.enter_context(_flag("is_checkpointing", False))
             stack.enter_context(enable_recomputing())
             stack.enter_context(_batchnorm_guard(self.function))
+            STATS.recomputes += 1
             _notify(observer, "recompute_start", self.function)
             # torch stops an early-stopped recompute with an exception: report the end regardless
             stack.callback(_notify, observer, "recompute_end", self.function)
@@ -176,6 +194,7 @@ class _ReentrantRegion(torch.autograd.Function):
         ctx.autocast = _autocast_contexts(ctx.device_type)
         ctx.save_for_backward(*tensors)
 
+        STATS.forwards += 1
         _notify(options.observer, "forward_start", spec.function)
         with enable_checkpointing():
             output = spec.call(tensors)
@@ -214,6 +233,7 @@ class _ReentrantRegion(torch.autograd.Function):
             stack.enter_context(torch.enable_grad())
             stack.enter_context(enable_recomputing())
             stack.enter_context(_batchnorm_guard(spec.function))
+            STATS.recomputes += 1
             _notify(options.observer, "recompute_start", spec.function)
             output = spec.call(inputs)
         _notify(options.observer, "recompute_end", spec.function)

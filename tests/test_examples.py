@@ -27,6 +27,7 @@ from acshim.patching.dialects import DIALECTS, decide, module_exists
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 GRADS_LINE = re.compile(r"GRADS [0-9a-f]{64}")
+REGIONS_LINE = re.compile(r"acshim: \d+ region forwards, (\d+) recomputes")
 PARALLEL_RUNS = min(3, os.cpu_count() or 2)
 TIMEOUT_SECONDS = 600
 
@@ -125,7 +126,7 @@ def _run(example: Path, variant: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACSHIM_", "PYTEST_"))}
     # A one-process "distributed" world, for examples that call init_distributed() as upstream requires.
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=_free_port(), OMP_NUM_THREADS="1")
+               MASTER_PORT=_free_port(), OMP_NUM_THREADS="1", ACSHIM_REPORT_REGIONS="1")
     return subprocess.run(_command(example, variant), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_SECONDS)
 
@@ -150,6 +151,13 @@ class ExampleRuns:
         lines = [line for line in result.stdout.splitlines() if line.strip()]
         assert lines and GRADS_LINE.fullmatch(lines[-1]), f"`{command}` did not end with a GRADS line:\n{result.stdout[-2000:]}"
         return lines[-1]
+
+    def recomputes(self, example: Path, variant: str) -> int:
+        """How many region recomputes the engine ran (``acshim run`` reports it at exit)."""
+        self.digest(example, variant)
+        found = REGIONS_LINE.findall(self._futures[(example, variant)].result().stderr)
+        assert found, f"{variant} run of {example.relative_to(REPO)} printed no acshim region report"
+        return int(found[-1])
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -183,6 +191,9 @@ def test_examples_exist() -> None:
 def test_example_gives_the_same_gradients_with_and_without_checkpointing(example: Path, example_runs: ExampleRuns) -> None:
     example_runs.start(example, "checkpointing", "no-checkpointing")
     assert example_runs.digest(example, "checkpointing") == example_runs.digest(example, "no-checkpointing")
+    # and the checkpointed run really recomputed on the engine; the other did not checkpoint at all
+    assert example_runs.recomputes(example, "checkpointing") > 0
+    assert example_runs.recomputes(example, "no-checkpointing") == 0
 
 
 @pytest.mark.parametrize("example", PLAIN_EXAMPLES, ids=lambda p: p.stem)
