@@ -200,6 +200,22 @@ def test_profile_prints_forward_and_backward_times_in_upstream_format(checkpoint
     assert isinstance(ckpt.timers, _profile.Timers)
 
 
+def test_reentrant_profile_backward_time_includes_the_inner_backward(monkeypatch):
+    layer = torch.nn.Linear(4, 4)
+    grads_ready_at_end = []
+    original_end = _profile.CheckpointObserver._end
+
+    def spy(self, name):
+        if name == "backward":
+            grads_ready_at_end.append(layer.weight.grad is not None)
+        original_end(self, name)
+
+    monkeypatch.setattr(_profile.CheckpointObserver, "_end", spy)
+    ckpt.configure(None, profile=True)
+    ckpt.checkpoint(layer, torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert grads_ready_at_end == [True]  # the timer stopped after the region's parameter gradients
+
+
 def test_synchronize_waits_for_the_device_at_each_boundary(monkeypatch):
     calls = []
     monkeypatch.setattr(_profile, "synchronize_device", lambda: calls.append(1))

@@ -4,9 +4,10 @@ Upstream (checkpointing.py with deepspeed/utils/timer.py) synchronizes the accel
 and end of each checkpoint's forward and backward, and with ``profile`` times them on one shared
 ``SynchronizedWallClockTimer`` and prints ``[Rank R] time (ms) | fwd: 0.06`` /
 ``[Rank R] time (ms) | backward: 0.19`` after each (R is -1 when torch.distributed is not
-initialised; only rank 0 prints otherwise). Same here, with one difference: the engine reports the
-end of the recompute, not the end of the region's own backward, so ``backward`` times the
-recompute (the larger part; upstream also includes the region's inner backward).
+initialised; only rank 0 prints otherwise). Same here: for ``checkpoint`` (reentrant) ``backward``
+runs from the start of the recompute to the end of the region's inner backward. One difference for
+``non_reentrant_checkpoint``: the engine reports no end of that region's backward (its gradients
+flow through the outer graph), so there ``backward`` times the recompute, the larger part.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ class Timers:
 class CheckpointObserver:
     """Synchronize and/or time one checkpoint call's forward and recompute."""
 
-    def __init__(self, synchronize: bool, timers: Timers | None) -> None:
+    def __init__(self, synchronize: bool, timers: Timers | None, reentrant: bool = True) -> None:
         self.synchronize = synchronize
         self.timers = timers
+        self.reentrant = reentrant  # reentrant regions report the end of their inner backward
 
     def _begin(self, name: str) -> None:
         if self.synchronize:
@@ -117,4 +119,9 @@ class CheckpointObserver:
         self._begin(BACKWARD_TIMER)
 
     def recompute_end(self, region: Callable[..., Any]) -> None:
-        self._end(BACKWARD_TIMER)
+        if not self.reentrant:
+            self._end(BACKWARD_TIMER)
+
+    def backward_end(self, region: Callable[..., Any]) -> None:
+        if self.reentrant:
+            self._end(BACKWARD_TIMER)

@@ -216,7 +216,7 @@ def _region_options(reentrant: bool) -> RegionOptions:
     if STATE.SYNCHRONIZE or STATE.PROFILE_TIME:
         if STATE.PROFILE_TIME and STATE.timers is None:
             STATE.timers = Timers()
-        observer = CheckpointObserver(STATE.SYNCHRONIZE, STATE.timers if STATE.PROFILE_TIME else None)
+        observer = CheckpointObserver(STATE.SYNCHRONIZE, STATE.timers if STATE.PROFILE_TIME else None, reentrant)
     return RegionOptions(
         reentrant=reentrant,
         preserve_rng_state=True,  # upstream always restores CPU, device and tracker RNG
