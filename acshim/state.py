@@ -37,13 +37,18 @@ def is_recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def _flag(name: str, value: bool) -> Iterator[None]:
-    previous = getattr(state, name)
-    setattr(state, name, value)
+def temporarily(target: object, name: str, value: object) -> Iterator[None]:
+    """Set ``target.name`` to ``value`` for the body and restore the previous value (nests)."""
+    previous = getattr(target, name)
+    setattr(target, name, value)
     try:
         yield
     finally:
-        setattr(state, name, previous)
+        setattr(target, name, previous)
+
+
+def _flag(name: str, value: bool) -> contextlib.AbstractContextManager[None]:
+    return temporarily(state, name, value)
 
 
 def disable_checkpointing() -> contextlib.AbstractContextManager[None]:

@@ -28,13 +28,7 @@ from acshim.testing import (
     train_step,
 )
 
-
-@pytest.fixture(autouse=True)
-def fresh_smp(monkeypatch):
-    monkeypatch.delenv("SM_HP_MP_PARAMETERS", raising=False)
-    smp.state.reset()
-    yield
-    smp.state.reset()
+pytestmark = pytest.mark.usefixtures("fresh_smp")
 
 
 class CountingLinear(nn.Linear):

@@ -23,13 +23,7 @@ from acshim.facades.smdistributed.modelparallel.torch.exceptions import (
 )
 from acshim.testing import seeded, tiny_sequential
 
-
-@pytest.fixture(autouse=True)
-def fresh_smp(monkeypatch):
-    monkeypatch.delenv("SM_HP_MP_PARAMETERS", raising=False)
-    smp.state.reset()
-    yield
-    smp.state.reset()
+pytestmark = pytest.mark.usefixtures("fresh_smp")
 
 
 # ---- init and config -----------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+
+from acshim.state import temporarily
 
 
 class ThreadLocal(threading.local):
@@ -23,14 +24,8 @@ class ThreadLocal(threading.local):
 thread_local = ThreadLocal()
 
 
-@contextlib.contextmanager
-def _set(name: str) -> Iterator[None]:
-    previous = getattr(thread_local, name)
-    setattr(thread_local, name, True)
-    try:
-        yield
-    finally:
-        setattr(thread_local, name, previous)
+def _set(name: str) -> contextlib.AbstractContextManager[None]:
+    return temporarily(thread_local, name, True)
 
 
 def enable_checkpointing() -> contextlib.AbstractContextManager[None]:
