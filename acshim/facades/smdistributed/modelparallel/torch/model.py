@@ -93,20 +93,19 @@ class DistributedModel(nn.Module):
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None:
         """Call ``hook(model, optimizer)`` once the model is partitioned (at once if it already is)."""
-        if self._partitioned and state.optimizer is not None:
-            hook(self, state.optimizer)
-            return None
-        handle = RemovableHandle(state.post_partition_hooks)
-        state.post_partition_hooks[handle.id] = hook
-        return handle
+        return self._register_hook(state.post_partition_hooks, hook)
 
     def register_post_step_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None:
         """Call ``hook(model, optimizer)`` after the first ``smp.step`` call finishes."""
+        return self._register_hook(self._post_step_hooks, hook)
+
+    def _register_hook(self, hooks: dict[int, Callable[..., Any]], hook: Callable[..., Any]) -> RemovableHandle | None:
+        """Run ``hook`` now if the first step already happened, else keep it in ``hooks`` until then."""
         if self._partitioned and state.optimizer is not None:
             hook(self, state.optimizer)
             return None
-        handle = RemovableHandle(self._post_step_hooks)
-        self._post_step_hooks[handle.id] = hook
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
         return handle
 
     # -- everything is local in one partition --------------------------------------------------------
