@@ -139,7 +139,7 @@ class _ReentrantSpec:
     """What the Function needs besides the input tensors, and what the caller needs afterwards."""
 
     __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "rebuild_output",
-                 "output_leaves", "output_positions")
+                 "output_leaves", "output_positions", "probe")
 
     def __init__(self, function: Callable[..., Any], options: RegionOptions, leaves: list[Any],
                  rebuild_inputs: structures.Rebuild, positions: list[int]) -> None:
@@ -151,6 +151,9 @@ class _ReentrantSpec:
         self.rebuild_output: structures.Rebuild | None = None
         self.output_leaves: list[Any] = []
         self.output_positions: list[int] = []
+        self.probe = False
+        """Run the forward with grad enabled (saving nothing) to learn whether any output depends
+        on a tensor that requires grad; a region none of whose outputs does needs no backward."""
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -192,23 +195,26 @@ class _ReentrantRegion(torch.autograd.Function):
                 ctx.devices, ctx.device_states = torch_checkpoint.get_device_states(*tensors)
             ctx.tracker_states = rng.capture_tracker_states()
         ctx.autocast = _autocast_contexts(ctx.device_type)
-        ctx.save_for_backward(*tensors)
 
         STATS.forwards += 1
         _notify(options.observer, "forward_start", spec.function)
-        with enable_checkpointing():
+        with enable_checkpointing(), _probing(spec.probe):
             output = spec.call(tensors)
         _notify(options.observer, "forward_end", spec.function)
 
         leaves, spec.rebuild_output = structures.flatten(output)
         spec.output_positions = structures.tensor_positions(leaves)
+        frozen = spec.probe and not any(leaves[i].requires_grad for i in spec.output_positions)
+        # Proven frozen: no output reaches a tensor that requires grad, so backward would only
+        # recompute for nothing. Keep no inputs and make every output non-differentiable.
+        ctx.save_for_backward(*(() if frozen else tensors))
         # Return fresh aliases: a tensor that existed before the call (a module constant, an input)
         # would otherwise be rewired to this node in place and recurse into it during backward.
         for i in spec.output_positions:
             leaves[i] = leaves[i].detach()
         spec.output_leaves = leaves
         outputs = tuple(leaves[i] for i in spec.output_positions)
-        ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
+        ctx.mark_non_differentiable(*[t for t in outputs if frozen or not (t.is_floating_point() or t.is_complex())])
         return outputs if outputs else torch.empty(0)
 
     @staticmethod
@@ -244,7 +250,7 @@ class _ReentrantRegion(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         _notify(options.observer, "backward_end", spec.function)
-        del ctx.spec
+        # ctx.spec stays: a second backward (retain_graph=True) recomputes again, as torch's does.
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         return (None, None, *input_grads)
 
@@ -261,10 +267,15 @@ def _run_reentrant(
     spec = _ReentrantSpec(function, options, opaque, rebuild, positions)
     # Without an input that requires grad, autograd would never call backward and the region's
     # parameters would get no gradient (torch's reentrant defect); an empty leaf that requires grad
-    # keeps the region in the graph, as FairScale does. A region known to have no trainable
-    # parameter (a frozen module) needs no backward at all, so it gets no dummy (fairscale PR #787).
-    needs_dummy = not any(t.requires_grad for t in tensors) and _may_have_trainable_parameters(function)
-    dummy = torch.empty(0, requires_grad=True) if needs_dummy else None
+    # keeps the region in the graph, as FairScale does. A frozen module (fairscale PR #787: no
+    # recompute for frozen regions) may still reach trainable tensors: a module passed as an
+    # argument, weights that are views of a parent's flat parameter. So "frozen" is never assumed
+    # from its parameters; the forward probes it (grad enabled, nothing saved) and only a region
+    # whose outputs provably need no gradient skips backward.
+    dummy = None
+    if not any(t.requires_grad for t in tensors):
+        dummy = torch.empty(0, requires_grad=True)
+        spec.probe = not _may_have_trainable_parameters(function)
     results = _ReentrantRegion.apply(spec, dummy, *tensors)
     out_leaves, spec.output_leaves = spec.output_leaves, []  # the ctx must not keep outputs alive
     if spec.output_positions:
@@ -284,10 +295,29 @@ def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
 
 
 def _may_have_trainable_parameters(function: Callable[..., Any]) -> bool:
-    """False only when ``function`` is known to be a module none of whose parameters requires grad;
-    unknown callables may close over parameters."""
+    """False when ``function`` is a module none of whose parameters requires grad (a candidate for
+    the frozen probe); unknown callables are assumed to reach parameters."""
     owner = _owning_module(function)
     return owner is None or any(p.requires_grad for p in owner.parameters())
+
+
+def _discard_saved(_: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("acshim: a frozen-region probe's graph was used in backward")  # unreachable
+
+
+def _probing(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Grad enabled, every saved tensor dropped: outputs tell whether they require grad while the
+    probe holds no activation (its graph dies with the detached outputs)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.enable_grad())
+    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_discard_saved, _never_unpacked))
+    return stack
 
 
 def _batchnorm_guard(function: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
