@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +139,7 @@ class _ReentrantSpec:
     """What the Function needs besides the input tensors, and what the caller needs afterwards."""
 
     __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "rebuild_output",
-                 "output_leaves", "output_positions", "probe")
+                 "output_leaves", "output_positions", "probe", "parameter_slots")
 
     def __init__(self, function: Callable[..., Any], options: RegionOptions, leaves: list[Any],
                  rebuild_inputs: structures.Rebuild, positions: list[int]) -> None:
@@ -154,6 +154,8 @@ class _ReentrantSpec:
         self.probe = False
         """Run the forward with grad enabled (saving nothing) to learn whether any output depends
         on a tensor that requires grad; a region none of whose outputs does needs no backward."""
+        self.parameter_slots: list[list[tuple[torch.nn.Module, str]]] = []
+        """Where each trainable parameter handed to the Function lives (tied ones: several places)."""
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -184,8 +186,9 @@ def _autocast_contexts(device_type: str) -> list[dict[str, Any]]:
 
 class _ReentrantRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, spec: _ReentrantSpec, dummy: torch.Tensor | None, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, spec: _ReentrantSpec, dummy: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
         options = spec.options
+        tensors = inputs[:len(inputs) - len(spec.parameter_slots)]  # the rest: parameters, not saved
         ctx.spec = spec
         ctx.device_type = _device_type_of(tensors)
         if options.preserve_rng_state:
@@ -239,6 +242,7 @@ class _ReentrantRegion(torch.autograd.Function):
             stack.enter_context(torch.enable_grad())
             stack.enter_context(enable_recomputing())
             stack.enter_context(_batchnorm_guard(spec.function))
+            aliases = stack.enter_context(_parameter_aliases(spec.parameter_slots))
             STATS.recomputes += 1
             _notify(options.observer, "recompute_start", spec.function)
             output = spec.call(inputs)
@@ -252,7 +256,7 @@ class _ReentrantRegion(torch.autograd.Function):
         _notify(options.observer, "backward_end", spec.function)
         # ctx.spec stays: a second backward (retain_graph=True) recomputes again, as torch's does.
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
-        return (None, None, *input_grads)
+        return (None, None, *input_grads, *(alias.grad for alias in aliases))
 
 
 def _run_reentrant(
@@ -272,11 +276,15 @@ def _run_reentrant(
     # argument, weights that are views of a parent's flat parameter. So "frozen" is never assumed
     # from its parameters; the forward probes it (grad enabled, nothing saved) and only a region
     # whose outputs provably need no gradient skips backward.
+    # The owning module's trainable parameters are inputs of the Function: their gradients leave
+    # backward as the Function's gradients, accumulated once by autograd where data-parallel
+    # wrappers see them (DDP's unused-parameter search finds them in the graph; its hooks fire once).
+    parameters, spec.parameter_slots = _trainable_parameter_slots(_owning_module(function), tensors)
     dummy = None
-    if not any(t.requires_grad for t in tensors):
+    if not parameters and not any(t.requires_grad for t in tensors):
         dummy = torch.empty(0, requires_grad=True)
         spec.probe = not _may_have_trainable_parameters(function)
-    results = _ReentrantRegion.apply(spec, dummy, *tensors)
+    results = _ReentrantRegion.apply(spec, dummy, *tensors, *parameters)
     out_leaves, spec.output_leaves = spec.output_leaves, []  # the ctx must not keep outputs alive
     if spec.output_positions:
         if isinstance(results, torch.Tensor):
@@ -299,6 +307,51 @@ def _may_have_trainable_parameters(function: Callable[..., Any]) -> bool:
     the frozen probe); unknown callables are assumed to reach parameters."""
     owner = _owning_module(function)
     return owner is None or any(p.requires_grad for p in owner.parameters())
+
+
+def _trainable_parameter_slots(
+    owner: torch.nn.Module | None, inputs: tuple[torch.Tensor, ...]
+) -> tuple[list[torch.Tensor], list[list[tuple[torch.nn.Module, str]]]]:
+    """The trainable parameters of ``owner`` (not already region inputs) and, for each, the
+    (submodule, name) places that hold it."""
+    if owner is None:
+        return [], []
+    passed = {id(t) for t in inputs}
+    index: dict[int, int] = {}
+    parameters: list[torch.Tensor] = []
+    slots: list[list[tuple[torch.nn.Module, str]]] = []
+    for module in owner.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is None or not parameter.requires_grad or id(parameter) in passed:
+                continue
+            position = index.setdefault(id(parameter), len(parameters))
+            if position == len(parameters):
+                parameters.append(parameter)
+                slots.append([])
+            slots[position].append((module, name))
+    return parameters, slots
+
+
+@contextlib.contextmanager
+def _parameter_aliases(slots: list[list[tuple[torch.nn.Module, str]]]) -> Iterator[list[torch.Tensor]]:
+    """For the recompute, put a detached alias (same storage, a leaf that requires grad) in each
+    parameter's places, so the inner backward accumulates into the alias and the real parameter
+    gets its gradient once, from the outer graph. Hand-written because torch.func.functional_call
+    would call the module, which is the region itself."""
+    aliases: list[torch.Tensor] = []
+    previous: list[tuple[torch.nn.Module, str, Any]] = []
+    try:
+        for places in slots:
+            module, name = places[0]
+            alias = module._parameters[name].detach().requires_grad_(True)
+            aliases.append(alias)
+            for module, name in places:
+                previous.append((module, name, module._parameters[name]))
+                module._parameters[name] = alias
+        yield aliases
+    finally:
+        for module, name, parameter in reversed(previous):
+            module._parameters[name] = parameter
 
 
 def _discard_saved(_: torch.Tensor) -> None:
