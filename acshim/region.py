@@ -324,12 +324,22 @@ def _trainable_parameter_slots(
         for name, parameter in module._parameters.items():
             if parameter is None or not parameter.requires_grad or id(parameter) in passed:
                 continue
+            if not _aliasable(parameter):
+                return [], []  # a framework-managed parameter: the whole region keeps the inner path
             position = index.setdefault(id(parameter), len(parameters))
             if position == len(parameters):
                 parameters.append(parameter)
                 slots.append([])
             slots[position].append((module, name))
     return parameters, slots
+
+
+def _aliasable(parameter: torch.Tensor) -> bool:
+    """False for parameters whose framework swaps their data through module hooks (ZeRO-3's
+    partitioned parameters, FSDP1's flat parameters): an alias in their place during the recompute
+    would escape those hooks. Their gradients accumulate in the inner backward, as torch's
+    reentrant checkpoint does."""
+    return not (hasattr(parameter, "ds_id") or getattr(parameter, "_is_flat_param", False))
 
 
 @contextlib.contextmanager

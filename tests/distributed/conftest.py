@@ -28,9 +28,10 @@ class Launch:
 
     @property
     def results(self) -> list[dict]:
-        """One dict per rank, ordered by rank."""
-        lines = [line[len("RESULT "):] for line in self.stdout.splitlines() if line.startswith("RESULT ")]
-        return sorted((json.loads(line) for line in lines), key=lambda result: result["rank"])
+        """One dict per rank, ordered by rank (ranks share stdout: a line may hold several)."""
+        decoder = json.JSONDecoder()
+        found = [decoder.raw_decode(chunk)[0] for chunk in self.stdout.split("RESULT ")[1:]]
+        return sorted(found, key=lambda result: result["rank"])
 
     def region_counts(self) -> list[str]:
         """The ``acshim: N region forwards, M recomputes`` lines (one per patched rank)."""
