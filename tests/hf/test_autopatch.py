@@ -18,7 +18,7 @@ ARCHS = ["gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit"]
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_autopatched_model_gives_bitwise_equal_gradients(arch, reentrant, autopatched):
-    expected = train_step(hf_model(arch), hf_inputs(arch))
+    expected = train_step(hf_model(arch), _cache_off(arch, hf_inputs(arch)))
     model = autopatched(lambda: hf_model(arch), reentrant=reentrant)
     assert len(hf.acshim_regions(model)) == len(hf.hf_blocks(model)) >= 3
     if arch == "t5" and reentrant:
@@ -34,6 +34,14 @@ def test_autopatched_model_gives_bitwise_equal_gradients(arch, reentrant, autopa
             assert upstream_step[key].shape == actual[key].shape
         return
     assert_bitwise_equal(expected, train_step(model, hf_inputs(arch)))
+
+
+def _cache_off(arch: str, inputs: dict) -> dict:
+    """The run without checkpointing that a checkpointed training run equals: like Hugging Face,
+    acshim turns the config's default ``use_cache`` off for checkpointed blocks, and T5 with its
+    cross-attention cache on feeds bmm keys in another memory layout, which on AMD CPUs selects
+    another MKL kernel (last-bit differences; identical on Intel, and with MKL_CBWR=COMPATIBLE)."""
+    return {**inputs, "use_cache": False} if getattr(hf_config(arch), "use_cache", False) else inputs
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -107,6 +107,9 @@ def test_child_interpreter_without_acshim_warns_and_runs_unpatched(tmp_path: Pat
     base_python = getattr(sys, "_base_executable", None)
     if not base_python or sys.prefix == sys.base_prefix:  # not in a virtual environment
         pytest.skip("no interpreter outside this environment to start")
+    probe = subprocess.run([base_python, "-c", "import acshim"], cwd=tmp_path, env=plain_env, capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("the base interpreter has acshim installed too (a developer machine)")
     environment = dict(plain_env)
     enable_children(environ=environment)
     result = subprocess.run([base_python, "-c", "import json; import smdistributed"], cwd=tmp_path, env=environment,
