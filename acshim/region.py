@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import rng, structures
+from . import compiled, rng, structures
 from .batchnorm import running_stats_frozen
 from .options import DEFAULT_OPTIONS, RegionOptions
 from .state import _flag, enable_checkpointing, enable_recomputing, state
@@ -65,6 +65,8 @@ def run_region(
     kwargs = kwargs or {}
     if state.is_checkpointing_disabled or not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if compiled.is_compiling():
+        return compiled.run_traced(function, args, kwargs, options, run_region)
     scope = options.saved_tensors_scope() if options.saved_tensors_scope else contextlib.nullcontext()
     with scope:
         if options.reentrant:
@@ -256,7 +258,7 @@ class _ReentrantRegion(torch.autograd.Function):
         _notify(options.observer, "backward_end", spec.function)
         # ctx.spec stays: a second backward (retain_graph=True) recomputes again, as torch's does.
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
-        return (None, None, *input_grads, *(alias.grad for alias in aliases))
+        return (None, None, *input_grads, *(alias.grad if alias is not None else None for alias in aliases))
 
 
 def _run_reentrant(
@@ -343,20 +345,25 @@ def _aliasable(parameter: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _parameter_aliases(slots: list[list[tuple[torch.nn.Module, str]]]) -> Iterator[list[torch.Tensor]]:
+def _parameter_aliases(slots: list[list[tuple[torch.nn.Module, str]]]) -> Iterator[list[torch.Tensor | None]]:
     """For the recompute, put a detached alias (same storage, a leaf that requires grad) in each
     parameter's places, so the inner backward accumulates into the alias and the real parameter
     gets its gradient once, from the outer graph. Hand-written because torch.func.functional_call
     would call the module, which is the region itself."""
-    aliases: list[torch.Tensor] = []
+    aliases: list[torch.Tensor | None] = []
     previous: list[tuple[torch.nn.Module, str, Any]] = []
     try:
         for places in slots:
-            module, name = places[0]
-            alias = module._parameters[name].detach().requires_grad_(True)
+            current = [module._parameters.get(name) for module, name in places]
+            if any(parameter is None for parameter in current):
+                # A wrapper moved it since forward (FSDP1 with use_orig_params swaps parameters
+                # for plain views in backward): it gets its gradient in the inner backward.
+                aliases.append(None)
+                continue
+            alias = current[0].detach().requires_grad_(True)
             aliases.append(alias)
-            for module, name in places:
-                previous.append((module, name, module._parameters[name]))
+            for (module, name), parameter in zip(places, current):
+                previous.append((module, name, parameter))
                 module._parameters[name] = alias
         yield aliases
     finally:

@@ -1,9 +1,9 @@
 """A data-parallel training script written only against upstream APIs (torch, DeepSpeed,
-FairScale): for each checkpointing dialect and each DDP / FSDP2 setting, two steps with
+FairScale): for each checkpointing dialect and each DDP / FSDP1 / FSDP2 setting, two steps with
 checkpointing against two steps without, on the same ranks. Run under ``acshim run`` by
 tests/distributed; every rank prints one ``RESULT {json}`` line.
 
-usage: data_parallel_equivalence.py --engine ddp|fsdp2 [--dialects a,b,...]
+usage: data_parallel_equivalence.py --engine ddp|fsdp1|fsdp2 [--dialects a,b,...]
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ def wrap(model: nn.Module, engine: str, setting: str) -> nn.Module:
         options = {"plain": {}, "find_unused": {"find_unused_parameters": True},
                    "static_graph": {"static_graph": True}}[setting]
         return nn.parallel.DistributedDataParallel(model, **options)
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                        device_id=torch.device("cpu"), use_orig_params=setting == "orig_params")
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
@@ -89,6 +95,9 @@ def wrap(model: nn.Module, engine: str, setting: str) -> nn.Module:
 
 
 def gradients(model: nn.Module) -> list[torch.Tensor]:
+    if getattr(model, "_use_orig_params", False):  # FSDP1 with original parameters: unsharded gradients
+        with model.summon_full_params(model, with_grads=True):
+            return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
     grads = []
     for parameter in model.parameters():
         grad = parameter.grad
@@ -125,13 +134,14 @@ def compare(dialect: str, engine: str, setting: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", choices=("ddp", "fsdp2"), required=True)
+    parser.add_argument("--engine", choices=("ddp", "fsdp1", "fsdp2"), required=True)
     parser.add_argument("--dialects", default=",".join(DIALECTS))
     parser.add_argument("--settings", default="")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    settings = args.settings.split(",") if args.settings else (
-        ["plain", "find_unused", "static_graph"] if args.engine == "ddp" else ["fully_shard"])
+    default_settings = {"ddp": ["plain", "find_unused", "static_graph"], "fsdp1": ["orig_params", "flat_params"],
+                        "fsdp2": ["fully_shard"]}
+    settings = args.settings.split(",") if args.settings else default_settings[args.engine]
     results = {f"{dialect}/{setting}": compare(dialect, args.engine, setting)
                for dialect in args.dialects.split(",") for setting in settings}
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "world_size": dist.get_world_size(),
