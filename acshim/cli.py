@@ -128,7 +128,7 @@ def run_command(argv: list[str]) -> int:
 
     from .patching import PatchError, install
     from .patching.children import children_requested, enable_children
-    from .patching.runner import run_module, run_script, script_traceback
+    from .patching.runner import module_found, run_module, run_script, script_traceback
 
     if flags["children"] or children_requested():
         enable_children(hf=flags["hf"])
@@ -143,16 +143,9 @@ def run_command(argv: list[str]) -> int:
         from .region import STATS
 
         atexit.register(lambda: print(STATS, file=sys.stderr))
-    if module is not None:
-        import importlib.util
-
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ImportError:
-            found = False
-        if not found:
-            print(f"acshim run: No module named {module}", file=sys.stderr)
-            return 1
+    if module is not None and not module_found(module):
+        print(f"acshim run: No module named {module}", file=sys.stderr)
+        return 1
     try:
         if module is not None:
             run_module(module, args)

@@ -14,6 +14,7 @@ so the printed traceback starts where ``python script.py``'s does.
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import io
 import os
 import runpy
@@ -52,6 +53,16 @@ def run_script(path: str, args: Sequence[str] = ()) -> None:
     _set_path0(os.path.dirname(os.path.realpath(absolute)))
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
+
+
+def module_found(name: str) -> bool:
+    """Put the working directory first on ``sys.path`` (as ``python -m`` does, whichever way acshim
+    itself was started) and say whether module ``name`` can be found there or on the rest of the path."""
+    _set_path0(os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package that does not exist or fails to import
+        return False
 
 
 def run_module(name: str, args: Sequence[str] = ()) -> None:

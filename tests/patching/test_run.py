@@ -120,3 +120,22 @@ def test_hf_flag_checkpoints_every_transformers_model_and_install_routes_hf_swit
     assert with_hf.returncode == 0 and without.returncode == 0, with_hf.stderr + without.stderr
     assert with_hf.stdout.strip() == "regions 3"  # hf_model("llama") has 3 decoder layers
     assert without.stdout.strip() == "regions 0"
+
+
+def test_console_script_finds_modules_and_script_siblings_as_python_does(tmp_path: Path, plain_env) -> None:
+    """The ``acshim`` console script starts with its own bin directory first on ``sys.path``: ``-m``
+    must still see the working directory, a script its own directory (issue 8, item 8)."""
+    console = str(Path(sys.executable).with_name("acshim"))
+    _write(tmp_path / "mypkg" / "__init__.py", "")
+    _write(tmp_path / "mypkg" / "helper.py", "VALUE = 'helper'\n")
+    _write(tmp_path / "mypkg" / "train.py", "from mypkg.helper import VALUE\nimport sys\nprint(VALUE, sys.path[0])\n")
+    _write(tmp_path / "scripts" / "sibling.py", "NAME = 'sibling'\n")
+    _write(tmp_path / "scripts" / "main.py", "import sibling, sys\nprint(sibling.NAME, sys.path[0])\n")
+    for args, expected in ((["-m", "mypkg.train"], f"helper {tmp_path}"),
+                           ([str(Path("scripts") / "main.py")], f"sibling {tmp_path / 'scripts'}")):
+        want = _python(*args, cwd=tmp_path, env=plain_env)
+        got = subprocess.run([console, "run", *args], cwd=tmp_path, env=plain_env, capture_output=True, text=True,
+                             timeout=600)
+        assert want.stdout.strip() == expected, want.stderr
+        assert got.returncode == 0, got.stderr
+        assert got.stdout == want.stdout
