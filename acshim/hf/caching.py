@@ -14,46 +14,22 @@ Deliberate difference: upstream logs one warning per layer class and also warns 
 only on by the config's default; acshim warns once per process, and only when the caller asked for
 the cache (``use_cache=True`` or a ``past_key_values`` object) - the config default is turned off
 silently (huggingface/trl#3891 forces ``use_cache=False`` just to silence that warning).
+The warning is shared with ``acshim.region_state``, which does the same inside every engine region
+whatever API created it.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..region_state import USE_CACHE_WARNING, warn_use_cache_once
 from ..state import state
 
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
-
-USE_CACHE_WARNING = (
-    "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False` "
-    "(and dropping `past_key_values`) for the checkpointed blocks while training; acshim warns once.")
-
-
-class _WarnOnce:
-    """Process-wide "already warned" flag (resettable, for tests)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.warned = False
-
-    def __call__(self, message: str) -> None:
-        with self._lock:
-            if self.warned:
-                return
-            self.warned = True
-        warnings.warn(message, UserWarning, stacklevel=4)
-
-    def reset(self) -> None:
-        self.warned = False
-
-
-warn_use_cache_once = _WarnOnce()
 
 
 def checkpointing_active(module: nn.Module) -> bool:
