@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..backends import Backend
@@ -18,6 +17,7 @@ from .disk import DiskTier, check_directory
 from .errors import OffloadIOError
 from .host import HostTier
 from .session import OffloadSession, OffloadStats, _opt_out, _recorders
+from .versions import keep, unpack_kept
 
 
 class _Options:
@@ -132,10 +132,6 @@ def offload(storage: str | None = None, prefetch: int | None = None, directory: 
                               backend=backend)
 
 
-def _keep(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 class no_offload:
     """Keep every tensor saved inside this block where it is, even inside an enclosing ``offload()``
     or a region with ``boundary_offload`` (torchtune's ``NoOpManager``, extended to both scopes).
@@ -146,7 +142,7 @@ class no_offload:
     """
 
     def __init__(self) -> None:
-        self._hooks = saved_tensors_hooks(_keep, _keep)
+        self._hooks = saved_tensors_hooks(keep, unpack_kept)  # torch's in-place check, kept
 
     def __enter__(self) -> no_offload:
         _opt_out.depth = getattr(_opt_out, "depth", 0) + 1

@@ -24,6 +24,7 @@ from ..backends.base import Ticket, Tier
 from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes
 from .scheduler import PrefetchScheduler
+from .versions import modified_error
 
 _opt_out = threading.local()
 
@@ -71,13 +72,16 @@ class OffloadStats:
 class StoredTensor:
     """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
 
-    __slots__ = ("layout", "backend", "version", "group", "data", "out", "incoming", "uses", "pending_uses",
-                 "__weakref__")
+    __slots__ = ("layout", "backend", "version", "source", "group", "data", "out", "incoming", "uses",
+                 "pending_uses", "__weakref__")
 
-    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, version: int) -> None:
+    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, version: int,
+                 source: weakref.ref[torch.Tensor]) -> None:
         self.layout = layout
         self.backend = backend
         self.version = version
+        self.source = source
+        """The saved tensor itself, weakly: unpack compares its version with ``version``."""
         self.group = -1
         self.data: torch.Tensor | None = data
         """The bytes while resident (not sent out yet), or kept after a failed write."""
@@ -89,6 +93,8 @@ class StoredTensor:
 class OffloadSession:
     """Pack/unpack for one scope. ``per_tensor_groups``: each moved tensor is its own group
     (``offload()``); otherwise the owner calls ``start_group()`` per region (``boundary_offload``)."""
+
+    PRUNE_SEEN_AT = 1024
 
     def __init__(self, storage: str, prefetch: int, min_bytes: int, tier: Tier,
                  backend: Backend | None = None, per_tensor_groups: bool = True) -> None:
@@ -103,6 +109,7 @@ class OffloadSession:
         self._writing_bytes = 0
         self.max_bytes_in_flight: int = getattr(tier, "max_bytes_in_flight", DEFAULT_BYTES_IN_FLIGHT)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[StoredTensor]]] = {}
+        self._prune_seen_at = self.PRUNE_SEEN_AT
         self._lock = threading.RLock()
         _notify_recorders(self)
 
@@ -116,13 +123,13 @@ class OffloadSession:
         return backend_for(tensor.device)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """saved_tensors_hooks pack: a ``StoredTensor`` for a moved tensor, else the tensor itself."""
+        """saved_tensors_hooks pack: a ``StoredTensor`` for a moved tensor, else ``(tensor, version)``."""
         with self._lock:
             self.stats.saved += 1
             backend = None if opted_out() or not movable(tensor, self.min_bytes) else self._backend_for(tensor)
             if backend is None:
                 self.stats.kept += 1
-                return tensor
+                return tensor, tensor._version
             self.raise_write_errors(wait=False)
             handle = self._already_saved(tensor)
             if handle is not None:
@@ -131,8 +138,9 @@ class OffloadSession:
                 self.scheduler.regroup(handle, sent_out=handle.out is not None)
                 return handle
             data, layout = to_bytes(tensor)
-            handle = StoredTensor(layout, backend, data, tensor._version)
-            self._remember(tensor, handle)
+            source = weakref.ref(tensor)
+            handle = StoredTensor(layout, backend, data, tensor._version, source)
+            self._remember(tensor, source, handle)
             self.stats.moved += 1
             self.stats.moved_bytes += layout.nbytes
             if self.per_tensor_groups:
@@ -167,14 +175,15 @@ class OffloadSession:
         handle = entry[1]()
         return handle if handle is not None and handle.version == tensor._version else None
 
-    def _remember(self, tensor: torch.Tensor, handle: StoredTensor) -> None:
-        key = id(tensor)
+    def _remember(self, tensor: torch.Tensor, source: weakref.ref[torch.Tensor], handle: StoredTensor) -> None:
+        # No weakref callback drops dead entries: Python code run by the garbage collector swallows a
+        # Ctrl-C landing in it. Entries of dead tensors are pruned here instead, amortized.
         seen = self._seen
-
-        def forget(_: object) -> None:  # the tensor died: its id may be reused
-            seen.pop(key, None)
-
-        seen[key] = (weakref.ref(tensor, forget), weakref.ref(handle))
+        if len(seen) >= self._prune_seen_at:
+            for key in [key for key, (ref, _) in seen.items() if ref() is None]:
+                del seen[key]
+            self._prune_seen_at = max(self.PRUNE_SEEN_AT, 2 * len(seen))
+        seen[id(tensor)] = (source, weakref.ref(handle))
 
     def raise_write_errors(self, wait: bool) -> None:
         """Collect finished copies out, waiting for the oldest while more than
@@ -203,10 +212,17 @@ class OffloadSession:
     # --------------------------------------------------------------------------------- backward
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        """saved_tensors_hooks unpack: the saved tensor, bitwise as it was saved."""
-        if not isinstance(packed, StoredTensor):
-            return packed
+        """saved_tensors_hooks unpack: the saved tensor, bitwise as it was saved; torch's own error
+        if it was changed in place since (a copy made before the change would hide it)."""
+        if type(packed) is tuple:
+            tensor, version = packed
+            if tensor._version != version:
+                raise modified_error(tensor, version)
+            return tensor
         handle = packed
+        source = handle.source()
+        if source is not None and source._version != handle.version:  # dead: nothing can change it
+            raise modified_error(source, handle.version)
         with self._lock:
             for due in self.scheduler.due_for_fetch(handle.group):
                 self._fetch(due)
