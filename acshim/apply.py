@@ -17,6 +17,9 @@ from .wrap import (
 )
 
 _OPTION_FIELDS = set(RegionOptions.__dataclass_fields__)
+_APPLIED = "_acshim_applied_forward"
+"""Instance attribute: the region forward ``apply_checkpointing`` installed on the module (copies
+and pickles with it), so applying again can tell its own regions apart."""
 
 
 def build_options(options: RegionOptions | None = None, **changes: Any) -> RegionOptions:
@@ -40,7 +43,9 @@ def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options:
     and ``directory`` send every region's saved inputs to the storage tier, shared by the model's
     regions so backward fetches ``prefetch`` regions ahead (see ``acshim.offload``). Module objects,
     parameters and ``state_dict`` keys are unchanged.
-    Idempotent: applying again re-targets without nesting. Returns the names made into regions.
+    Idempotent: applying again re-targets without nesting: regions an earlier call made that the
+    new policy leaves out are removed, the others take the new options. Returns the names made
+    into regions.
 
     >>> acshim.apply_checkpointing(model)                       # every transformer block
     >>> acshim.apply_checkpointing(model, acshim.EveryNth(2))   # every other block
@@ -60,19 +65,37 @@ def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options:
     if not targets:
         warnings.warn(f"apply_checkpointing: {chosen!r} selected no module of {type(model).__name__}; nothing is "
                       "checkpointed. Pass a policy such as ByClass(MyBlock) or ByName('layers.*').", stacklevel=2)
+    previous = _applied_regions(model)
     names = []
     for target in targets:
         if isinstance(target, SequentialTarget):
             checkpoint_sequential_groups(target.module, region_options, target.groups, target.pack_args_as_tuple)
         elif isinstance(target, ModuleTarget):
             checkpoint_module(target.module, region_options)
+        target.module.__dict__[_APPLIED] = checkpointed_forward_of(target.module)
         names.append(target.name)
+    chosen_now = {id(target.module) for target in targets}
+    for module in previous:  # re-targeting: earlier regions the new policy leaves out are removed
+        if id(module) not in chosen_now:
+            _unapply(module)
     return names
+
+
+def _applied_regions(model: nn.Module) -> list[nn.Module]:
+    """Modules of ``model`` whose region ``apply_checkpointing`` installed (and nothing replaced
+    since: a facade's or ``checkpoint_module``'s own regions are left alone when re-targeting)."""
+    return [module for module in model.modules()
+            if (forward := module.__dict__.get(_APPLIED)) is not None and forward is checkpointed_forward_of(module)]
+
+
+def _unapply(module: nn.Module) -> bool:
+    module.__dict__.pop(_APPLIED, None)
+    return uncheckpoint_module(module)
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:
     """Undo ``apply_checkpointing`` everywhere in ``model``; returns the names restored."""
-    return [name for name, module in model.named_modules() if uncheckpoint_module(module)]
+    return [name for name, module in model.named_modules() if _unapply(module)]
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
