@@ -19,6 +19,7 @@ import torch
 
 # ``torch`` rather than ``from torch import nn``: importing the submodule ``torch.sagemaker.nn`` rebinds ``nn`` here.
 from . import _config, _offload
+from . import grad_norm as grad_norm
 from ._state import state, world
 
 ACSHIM_PATCHES: list[tuple[str, str, str]] = []

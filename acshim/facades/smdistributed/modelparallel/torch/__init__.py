@@ -4,17 +4,22 @@
 ``import acshim.facades.smdistributed.modelparallel.torch as smp``. Activation checkpointing
 (``smp.patches.checkpoint.checkpoint`` / ``checkpoint_sequential``, ``smp.set_activation_checkpointing``
 with each / contiguous / group_N) runs on acshim's engine; ``smp.step`` splits microbatches and
-averages their gradients; ``DistributedModel`` / ``DistributedOptimizer`` are transparent wrappers,
-since one process is one partition and one data-parallel rank.
+averages their gradients. Every rank holds the whole model: in one process ``DistributedModel`` is
+a transparent wrapper; under a launcher with ``ddp: True`` it runs torch's DistributedDataParallel,
+which averages gradients across ranks.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from . import amp as amp
+from . import comm
 from . import nn as nn
 from . import patches as patches
 from .comm import (
@@ -64,6 +69,7 @@ from .comm import (
     tp_size,
 )
 from .config import parse_config
+from .exceptions import SMPUnsupportedError
 from .model import DistributedModel
 from .optimizer import DistributedOptimizer
 from .patches.checkpoint import checkpoint, set_activation_checkpointing
@@ -86,16 +92,41 @@ def init(config: Mapping[str, Any] | None = None) -> None:
 
     Validates every key as the library does (unknown keys and bad values raise ``ValueError``).
     Calling it again starts over: the config is replaced and the wrapped model is forgotten.
-    ``partitions`` / ``tensor_parallel_degree`` above 1 are accepted with a warning: everything
-    runs in this one process, as one partition with unsplit modules.
+    Under a launcher (``WORLD_SIZE`` above 1) it initialises torch.distributed as upstream does
+    (NCCL with CUDA, else gloo) unless the script already did, and every rank is one data-parallel
+    replica of the whole model: ``ddp`` must be on, and model-parallel degrees above 1 raise. In
+    one process those degrees are accepted with a warning: the model is one unsplit partition.
     """
     cfg = parse_config(config)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 or comm.size() > 1:
+        _require_data_parallel_only(cfg, max(world_size, comm.size()))
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        comm._create_process_groups()
     state.reset_model_state()
     state.cfg = cfg
-    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree"):
+    for key in _MODEL_PARALLEL_DEGREES:
         if cfg.values[key] > 1:
             warnings.warn(f"smp config {key}={cfg.values[key]}: acshim runs this script in one process, so the "
                           "whole model is one partition with unsplit modules (gradients are unchanged)", stacklevel=2)
+
+
+_MODEL_PARALLEL_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree")
+
+
+def _require_data_parallel_only(cfg: Any, world_size: int) -> None:
+    """Several ranks: acshim runs SMP's data parallelism on torch DDP and never splits the model."""
+    for key in _MODEL_PARALLEL_DEGREES:
+        if cfg.values[key] > 1:
+            raise SMPUnsupportedError(
+                f"smp config {key}={cfg.values[key]} with {world_size} processes: acshim keeps the whole model on "
+                f"every rank and does not split it across ranks; set {key} to 1 (data parallelism over all "
+                "ranks, with activation checkpointing for memory) or run one process")
+    if not cfg.values["ddp"]:
+        raise SMPUnsupportedError(
+            f"{world_size} processes with model-parallel degree 1 are data-parallel replicas, which SMP runs "
+            "through DDP: set 'ddp': True in the smp config")
 
 
 def is_initialized() -> bool:

@@ -1,7 +1,8 @@
-"""``smp.DistributedModel`` for one process (smdistributed.modelparallel.torch.model.DistributedModel).
+"""``smp.DistributedModel`` (smdistributed.modelparallel.torch.model.DistributedModel).
 
-With one partition and one data-parallel rank there is nothing to place or all-reduce, so the
-wrapper is transparent: calling it calls the user's module, ``state_dict()`` has the user module's
+Every rank holds the whole model (one partition). Under a launcher with ``ddp=True`` the forward
+runs through torch's DistributedDataParallel, which averages gradients across ranks once per
+``smp.step`` (the microbatches but the last run under ``no_sync``). Otherwise the wrapper is transparent: calling it calls the user's module, ``state_dict()`` has the user module's
 keys (as upstream, which returns the unwrapped model's full state dict), ``get_module()`` and
 ``.module`` return the user module. What stays SMP-specific is the contract around ``smp.step``:
 ``backward`` only inside a step function, ``partitioned`` turning True at the first step,
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import comm
 from .exceptions import (
     BwdExecutionNotInStepFnError,
     ModelNotPartitionedError,
@@ -45,14 +47,22 @@ class DistributedModel(nn.Module):
         state.require_init()
         if state.model is not None:
             raise MultipleDistributedModelError()
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if comm.size() > 1 and not state.config().ddp:
             raise SMPUnsupportedError(
-                "acshim's smdistributed facade runs one process (one partition, one data-parallel rank); "
-                f"this job has world size {torch.distributed.get_world_size()}. Run one process, or use "
-                "torch.nn.parallel.DistributedDataParallel with acshim.checkpoint")
+                f"smp.DistributedModel with {comm.size()} processes needs data parallelism: set 'ddp': True in the "
+                "smp config (acshim keeps the whole model on every rank)")
         super().__init__()
         self.module = module
+        # Several ranks: torch's DDP does the all-reduce (as SMP v1 does with ddp=True). Kept out of
+        # the module tree so parameters and state_dict keys stay the user module's.
+        data_parallel = None
+        if comm.size() > 1:
+            on_cuda = any(p.is_cuda for p in module.parameters())
+            data_parallel = nn.parallel.DistributedDataParallel(
+                module, device_ids=[comm.local_rank()] if on_cuda else None, bucket_cap_mb=bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+                gradient_as_bucket_view=gradient_as_bucket_view)
+        object.__setattr__(self, "_data_parallel", data_parallel)
         self.trace_device = trace_device
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
@@ -61,7 +71,15 @@ class DistributedModel(nn.Module):
         state.model = self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._data_parallel is not None:
+            return self._data_parallel(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    def _without_gradient_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """For every microbatch but the last: accumulate locally, all-reduce once at the end."""
+        if self._data_parallel is None:
+            return contextlib.nullcontext()
+        return self._data_parallel.no_sync()
 
     def backward(self, tensors: torch.Tensor | Sequence[torch.Tensor],
                  grad_tensors: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
@@ -160,9 +178,13 @@ class DistributedModel(nn.Module):
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True) -> Iterator[None]:
-        """Upstream: only with ``ddp=True``. One process has no uneven inputs to join, so a no-op then."""
+        """Upstream: only with ``ddp=True``; DDP's join for uneven inputs (one process: nothing to join)."""
         if not state.config().ddp:
             raise SMPUnsupportedError("join is only supported when using DDP. Please set ddp=True in SMP config")
-        yield
+        if self._data_parallel is None:
+            yield
+            return
+        with self._data_parallel.join(divide_by_initial_world_size=divide_by_initial_world_size, enable=enable):
+            yield
 
 __all__ = ["DistributedModel"]

@@ -13,6 +13,7 @@ The optimizer step stays outside, as upstream requires.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -161,7 +162,9 @@ class StepFunction:
         try:
             for mb, (mb_args, mb_kwargs) in enumerate(microbatch_inputs):
                 state.microbatch = mb
-                outputs.append(self.func(*mb_args, **mb_kwargs))
+                last = mb == num_mb - 1
+                with contextlib.nullcontext() if last else model._without_gradient_sync():
+                    outputs.append(self.func(*mb_args, **mb_kwargs))
         finally:
             state.in_step_func = False
             state.microbatch = 0
