@@ -2,6 +2,8 @@
 
     acshim run [--hf] [--children] script.py [args...]   run a script unchanged, patches installed
     acshim run [--hf] [--children] -m module [args...]   the same for ``python -m module``
+    acshim run [--hf] [--] launcher [args...]            a launcher on PATH (torchrun, accelerate,
+                                                         deepspeed, python) with every rank patched
     acshim compat [--markdown] [--dialect D] [--status S] [--write | --check]
     acshim doctor                                        versions, devices, what would be patched
     acshim build-ext                                     compile the native I/O extension now
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-RUN_USAGE = "acshim run [--hf] [--children] (script.py | -m module) [args...]"
+RUN_USAGE = "acshim run [--hf] [--children] (script.py | -m module | [--] launcher) [args...]"
 RUN_HELP = f"""usage: {RUN_USAGE}
 
 Run a training script written for DeepSpeed, FairScale, SageMaker model parallelism, PyTorch's
@@ -33,6 +35,10 @@ options (before the script; everything after it goes to the script):
               same as ACSHIM_PATCH_CHILDREN=1 in the environment. Off by default.
   -m module   run a module as `python -m module` does
   -h, --help  show this help
+
+launchers: when the first argument is not a file but an executable on PATH (torchrun, accelerate,
+deepspeed, python ...), it runs as a launcher with child patching on, so every Python rank it
+starts has the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
 """
 
 
@@ -121,6 +127,9 @@ def run_command(argv: list[str]) -> int:
         print(f"usage: {RUN_USAGE}\n{parsed}", file=sys.stderr)
         return 2
     flags, script, module, args = parsed
+    launcher = _launcher_path(script)
+    if launcher is not None:
+        return run_launcher(launcher, [script, *args], hf=flags["hf"])
     if script is not None and not os.path.exists(script):
         print(f"acshim run: can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory",
               file=sys.stderr)
@@ -128,7 +137,14 @@ def run_command(argv: list[str]) -> int:
 
     from .patching import PatchError, install
     from .patching.children import children_requested, enable_children
-    from .patching.runner import module_found, run_module, run_script, script_traceback
+    from .patching.runner import (
+        module_found,
+        record_rank_error,
+        report_regions_at_exit,
+        run_module,
+        run_script,
+        script_traceback,
+    )
 
     if flags["children"] or children_requested():
         enable_children(hf=flags["hf"])
@@ -137,12 +153,7 @@ def run_command(argv: list[str]) -> int:
     except (PatchError, ImportError) as error:
         print(f"acshim run: could not install the patches (nothing was changed): {error}", file=sys.stderr)
         return 1
-    if os.environ.get("ACSHIM_REPORT_REGIONS") == "1":
-        import atexit
-
-        from .region import STATS
-
-        atexit.register(lambda: print(STATS, file=sys.stderr))
+    report_regions_at_exit()
     if module is not None and not module_found(module):
         print(f"acshim run: No module named {module}", file=sys.stderr)
         return 1
@@ -157,8 +168,41 @@ def run_command(argv: list[str]) -> int:
         filename = os.path.abspath(script) if script is not None else None
         trimmed = script_traceback(error, filename)
         sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
+        record_rank_error(error)  # after with_traceback: torchrun's summary shows the trimmed one
         return 1
     return 0
+
+
+def _launcher_path(name: str | None) -> str | None:
+    """The executable ``name`` names on PATH (``torchrun``, ``accelerate``, ``deepspeed``, ``python``)
+    when it is not a file here: a script that exists always runs as a script, as python would."""
+    if name is None or os.path.exists(name) or os.sep in name or (os.altsep and os.altsep in name):
+        return None
+    return shutil.which(name)
+
+
+def run_launcher(path: str, argv: list[str], *, hf: bool = False) -> int:
+    """``acshim run -- torchrun ...``: run a launcher with child patching on, so every Python process it
+    starts (each rank) installs the patches. On POSIX the launcher replaces this process (its pid,
+    signals and exit status are the launcher's own); elsewhere it runs as a subprocess."""
+    from .patching.children import enable_children
+
+    environment = dict(os.environ)
+    enable_children(hf=hf, environ=environment)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":
+        try:
+            os.execve(path, argv, environment)
+        except OSError as error:
+            print(f"acshim run: cannot start {path}: {error}", file=sys.stderr)
+            return 126
+    import subprocess
+
+    try:
+        return subprocess.call([path, *argv[1:]], env=environment)
+    except KeyboardInterrupt:
+        return 130
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,6 +72,40 @@ def run_module(name: str, args: Sequence[str] = ()) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
+def report_regions_at_exit(*, only_ranks_and_users: bool = False) -> None:
+    """With ``ACSHIM_REPORT_REGIONS=1``, print this process's region counts to stderr at exit, one
+    line, `` (rank N)`` appended under a launcher. ``only_ranks_and_users`` (child processes): stay
+    silent in a process that is not a rank and ran no region (a launcher that imported accelerate)."""
+    if os.environ.get("ACSHIM_REPORT_REGIONS") != "1":
+        return
+    import atexit
+
+    from ..region import STATS
+
+    def report() -> None:
+        rank = os.environ.get("RANK")
+        if only_ranks_and_users and rank is None and STATS.forwards == 0:
+            return
+        print(f"{STATS}{f' (rank {rank})' if rank is not None else ''}", file=sys.stderr, flush=True)
+
+    atexit.register(report)
+
+
+def record_rank_error(error: BaseException) -> None:
+    """Under torchrun (``TORCHELASTIC_ERROR_FILE`` set), write ``error`` where torchrun's failure
+    summary reads a rank's root cause, as ``@record`` would; a file the script wrote stays. Call
+    from inside the ``except`` block."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+    except Exception:  # best effort: the traceback is on stderr either way
+        pass
+
+
 def _set_path0(directory: str) -> None:
     # ``acshim`` (console script) or ``python -m acshim`` put their own directory first; the
     # script must see its own instead, as under ``python script.py``.

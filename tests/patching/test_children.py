@@ -117,3 +117,19 @@ def test_child_interpreter_without_acshim_warns_and_runs_unpatched(tmp_path: Pat
     assert result.returncode == 1
     assert "cannot import acshim" in result.stderr and "runs without acshim's patches" in result.stderr
     assert result.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'smdistributed'"
+
+
+def test_child_keeps_the_module_installing_patched_when_the_trigger_is_the_patched_module(run_python) -> None:
+    """The torch dialect's trigger is the very module it patches in place, and installing imports
+    it: the importing script must get that patched module, not a second, unpatched copy."""
+    environment = {"ACSHIM_PATCH_CHILDREN": "1"}
+    enable_children(environ=environment)
+    result = run_python("""
+        import sys, json
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as module
+        from acshim.patching.inplace import is_acshim_wrapper
+        print(json.dumps([is_acshim_wrapper(checkpoint_wrapper), module is sys.modules[module.__name__],
+                          module.__spec__.origin == module.__file__]))
+    """, prelude=False, env={**environment, "PYTHONPATH": environment["PYTHONPATH"]})
+    assert result.stdout.strip() == "[true, true, true]"

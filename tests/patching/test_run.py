@@ -139,3 +139,14 @@ def test_console_script_finds_modules_and_script_siblings_as_python_does(tmp_pat
         assert want.stdout.strip() == expected, want.stderr
         assert got.returncode == 0, got.stderr
         assert got.stdout == want.stdout
+
+
+def test_a_launcher_is_an_executable_on_path_that_is_not_a_file_here(tmp_path: Path, monkeypatch) -> None:
+    from acshim.cli import _launcher_path
+
+    monkeypatch.chdir(tmp_path)
+    assert _launcher_path("python") is not None
+    assert _launcher_path("train.py") is None and _launcher_path(None) is None
+    (tmp_path / "python").write_text("print('a script called python')\n")
+    assert _launcher_path("python") is None  # a file here runs as a script, as under python
+    assert _launcher_path(str(Path("sub") / "torchrun")) is None  # a path is never looked up on PATH

@@ -50,17 +50,29 @@ class _InstallOnFirstImport(importlib.abc.MetaPathFinder):
                              "it runs without acshim's patches\n")
             return None
         install(hf=os.environ.get("ACSHIM_PATCH_HF") == "1")
-        if fullname in sys.modules:  # installing imported it already: hand back that very module
-            return importlib.machinery.ModuleSpec(fullname, _Existing(), is_package=hasattr(sys.modules[fullname], "__path__"))
+        from acshim.patching.runner import report_regions_at_exit
+
+        report_regions_at_exit(only_ranks_and_users=True)
+        module = sys.modules.get(fullname)
+        if module is not None:  # installing imported (and patched) it already: hand back that very module
+            spec = importlib.machinery.ModuleSpec(fullname, _Existing(getattr(module, "__spec__", None)),
+                                                  is_package=hasattr(module, "__path__"))
+            # A module that appeared during the search is loaded again from its own ``__spec__``
+            # (importlib's _find_spec): make that spec ours, which loads nothing.
+            module.__spec__ = spec
+            return spec
         # The import system has already passed the finders acshim just added: ask them now.
         return importlib.util.find_spec(fullname)
 
 
 class _Existing(importlib.abc.Loader):
+    """Loads nothing: gives back the module already in ``sys.modules`` with its original spec."""
+
+    def __init__(self, original_spec):
+        self._spec = original_spec
+
     def create_module(self, spec):
-        module = sys.modules[spec.name]
-        self._spec = module.__spec__
-        return module
+        return sys.modules[spec.name]
 
     def exec_module(self, module):
         module.__spec__ = self._spec
