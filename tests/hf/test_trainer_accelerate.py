@@ -98,6 +98,24 @@ for offload in (False, True):
     actual = train_step(model, hf_inputs("llama"))
     same = expected.keys() == actual.keys() and all(torch.equal(full(actual[k]), v) for k, v in expected.items())
     print("OFFLOAD", offload, "EQUAL", same)
+# HF gradient_checkpointing_enable() and Accelerate's activation_checkpointing flag together: each
+# block is still one region, computed twice per step (forward, one recompute), never three times.
+plugin = FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True,
+                                        auto_wrap_policy="transformer_based_wrap")
+model = hf_model("llama")
+model.gradient_checkpointing_enable()
+plugin.set_auto_wrap_policy(model)
+model = accelerate.accelerator.fsdp2_apply_ac(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), model)
+print("BOTH REGIONS", hf.acshim_regions(model))
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+calls = []
+for layer in model.model.layers:
+    layer.self_attn.register_forward_hook(lambda *args: calls.append(1))
+actual = train_step(model, hf_inputs("llama"))
+same = expected.keys() == actual.keys() and all(torch.equal(full(actual[k]), v) for k, v in expected.items())
+print("BOTH ATTENTION CALLS", len(calls), "EQUAL", same)
 dist.destroy_process_group()
 """)
 
@@ -112,6 +130,36 @@ def test_fsdp2_activation_checkpointing_on_gloo_goes_through_engine(tmp_path):
         assert f"OFFLOAD {offload} REGIONS ['model.layers.0', 'model.layers.1', 'model.layers.2']" in result.stdout
         assert f"OFFLOAD {offload} EQUAL True" in result.stdout, result.stdout
     assert "OFFLOAD True SCOPE BoundaryOffload" in result.stdout and "OFFLOAD False SCOPE NoneType" in result.stdout
+    assert "BOTH REGIONS ['model.layers.0', 'model.layers.1', 'model.layers.2']" in result.stdout
+    assert "BOTH ATTENTION CALLS 6 EQUAL True" in result.stdout, result.stdout
+
+
+def test_torch_checkpoint_wrapper_over_hf_gradient_checkpointing_recomputes_each_block_once():
+    """Accelerate's FSDP1 path (torch's apply_activation_checkpointing, served by the PyTorch facade)
+    on a model whose gradient_checkpointing_enable() already made its blocks regions: the nested
+    region runs plainly inside the outer one, so each block computes twice per step, not three times."""
+    import acshim
+    from acshim.region import STATS
+
+    expected = train_step(hf_model("llama"), {**hf_inputs("llama"), "use_cache": False})
+    acshim.install()
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        model = hf_model("llama")
+        model.gradient_checkpointing_enable()
+        apply_activation_checkpointing(model, check_fn=lambda module: type(module).__name__ == "LlamaDecoderLayer")
+        calls = []
+        for name, module in model.named_modules():
+            if name.endswith("self_attn"):
+                module.register_forward_hook(lambda *args: calls.append(1))
+        before = STATS.recomputes
+        actual = train_step(model, hf_inputs("llama"))
+    finally:
+        acshim.uninstall()
+    assert len(calls) == 2 * 3, "each of the 3 blocks: one forward and one recompute"
+    assert STATS.recomputes > before, "the blocks must run on acshim's engine"
+    assert_bitwise_equal(expected, {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in actual.items()})
 
 
 NO_CHECKPOINTING_SCRIPT = textwrap.dedent("""
