@@ -129,18 +129,6 @@ def test_contiguous_checkpointing_asserts_and_leaves_state_unchanged():
     assert ckpt.is_configured() is False and ckpt.PARTITION_ACTIVATIONS is False
 
 
-def test_contiguous_mode_keeps_no_buffers_and_never_overflows():
-    ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=1)
-    x = torch.randn(6, requires_grad=True)
-    hidden = x
-    for _ in range(3):  # upstream: IndexError past num_checkpoints before a backward or reset()
-        hidden = ckpt.checkpoint(torch.sin, hidden)
-    hidden.sum().backward()
-    reference = x.detach().clone().requires_grad_()
-    reference.sin().sin().sin().sum().backward()
-    assert torch.equal(x.grad, reference.grad) and ckpt.contiguous_data_buffers == []
-
-
 def test_mpu_sets_model_parallel_globals_and_none_keeps_it():
     unit = TensorParallelUnit(rank=0, size=1)
     ckpt.configure(unit)
@@ -160,8 +148,8 @@ def test_module_globals_are_live_reads_and_writes_of_one_state():
     from acshim.facades.deepspeed.checkpointing import mp_size
 
     assert mp_size == 2
-    with pytest.raises(NotImplementedError):  # checkpoint reads the assigned globals
-        ckpt.checkpoint(torch.sin, torch.randn(4, requires_grad=True))
+    with pytest.raises(AssertionError, match="not divisible by mp size"):  # checkpoint reads the assigned globals
+        ckpt.checkpoint(torch.sin, torch.randn(3, requires_grad=True))
     for name, value in snapshot.items():
         setattr(ckpt, name, value)
     assert ckpt.PARTITION_ACTIVATIONS is False and ckpt.mp_size == 1

@@ -5,19 +5,22 @@ Same names, signatures and defaults as DeepSpeed 0.19; every checkpoint is one e
 (``checkpoint``: reentrant, ``non_reentrant_checkpoint``: non-reentrant) that restores the CPU,
 device and model-parallel tracker RNG streams for the recompute. Module globals
 (``PARTITION_ACTIVATIONS``, ``mpu``, ``num_layers``, ...) are live properties over one state object
-(``_state.STATE``). Deliberate differences, each better than upstream:
+(``_state.STATE``). ``partition_activations`` runs on the engine's partition scope
+(``acshim.partition``): each rank of the mpu's model-parallel group keeps its flat 1/mp_size slice of
+every activation argument (in upstream's contiguous buffers when asked, on the host tier with
+``cpu_checkpointing``), all-gathered before the recompute; the caller's input is emptied until then,
+as upstream. Deliberate differences, each better than upstream:
 
 - no ``deepspeed.init_distributed()`` needed: one process works without torch.distributed;
 - reentrant ``checkpoint`` gives parameters gradients even when no input requires grad;
-- the caller's input tensors are never emptied ("hollowed") or left flat, also under ``no_grad``;
+- an emptied ("hollowed") caller tensor gets its full shape back after backward also with one
+  model-parallel rank (upstream leaves it flat), nothing is emptied under ``no_grad``, and reusing an
+  emptied tensor as a checkpoint input raises a clear RuntimeError;
 - the recompute gets exactly the original arguments (upstream adds a ``None`` after each
   non-tensor argument when partitioning), and dict or other non-sequence outputs are returned as
   they are (upstream returns a dict's keys);
 - ``cpu_checkpointing`` keeps data correct on a CPU-only machine (upstream corrupts it there);
 - ``non_reentrant_checkpoint`` works with ``torch.autograd.grad``.
-
-Not yet: partitioning activations across a model-parallel group of more than one rank (raises
-``NotImplementedError``), contiguous preallocated buffers (accepted and validated, not allocated).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import torch
 
 from acshim import rng as _rng
 from acshim.options import RegionOptions
+from acshim.partition import HOLLOW_REUSE_ERROR, PartitionedInputs, is_hollow
 from acshim.region import run_region
+from acshim.state import state as engine_state
 
 from ._profile import FORWARD_GLOBAL_TIMER as FORWARD_GLOBAL_TIMER  # an upstream module name
 from ._profile import CheckpointObserver, Timers
@@ -207,11 +212,6 @@ def _host_offload_scope() -> Any:
 
 def _region_options(reentrant: bool) -> RegionOptions:
     """The engine options the module's flags ask for (read once, when the forward runs)."""
-    if STATE.PARTITION_ACTIVATIONS and STATE.mp_size > 1:
-        raise NotImplementedError(
-            f"deepspeed.checkpointing: partition_activations across a model-parallel group of {STATE.mp_size} "
-            "ranks is not supported by acshim yet. Set partition_activations=False (each rank then keeps its "
-            "whole checkpoint inputs) or run with a tensor-model-parallel size of 1.")
     observer = None
     if STATE.SYNCHRONIZE or STATE.PROFILE_TIME:
         if STATE.PROFILE_TIME and STATE.timers is None:
@@ -227,17 +227,89 @@ def _region_options(reentrant: bool) -> RegionOptions:
     )
 
 
+def _contiguous_slots(activations: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Upstream's contiguous buffers (``partition_activations`` / ``get_partitioned_activations_for_backward``
+    with ``contiguous_checkpoint``): per activation position ``i``, ``num_layers`` flat partition-sized
+    buffers (host with ``cpu_checkpointing``) allocated at first use, plus an int64 buffer of shapes;
+    each call takes the next slot. More calls than ``num_checkpoints`` before a backward or ``reset()``:
+    IndexError, as upstream."""
+    data, data_offsets = STATE.contiguous_data_buffers, STATE.data_offsets
+    sizes, size_offsets = STATE.contiguous_size_buffers, STATE.size_offsets
+    slots = []
+    for i, item in enumerate(activations):
+        part = item.numel() // STATE.mp_size
+        device = torch.device("cpu") if STATE.CPU_CHECKPOINT else item.device
+        if i >= len(data):
+            data.append(None)
+            data_offsets.append(0)
+        if data[i] is None:
+            data[i] = [torch.empty(part, dtype=item.dtype, device=device) for _ in range(STATE.num_layers)]
+            data_offsets[i] = 0
+        if data_offsets[i] >= len(data[i]):
+            raise IndexError(f"list index out of range: more than num_checkpoints={STATE.num_layers} checkpoints "
+                             "before a backward or reset() (contiguous_memory_optimization)")
+        slots.append(data[i][data_offsets[i]])
+        data_offsets[i] += 1
+        shape = torch.tensor(item.shape, dtype=torch.int64)
+        if i >= len(sizes):
+            sizes.append(None)
+            size_offsets.append(0)
+        if sizes[i] is None:
+            sizes[i] = torch.empty(shape.numel() * STATE.num_layers, dtype=torch.int64)
+            size_offsets[i] = 0
+        sizes[i].narrow(0, size_offsets[i], shape.numel()).copy_(shape)
+        size_offsets[i] += shape.numel()
+    return slots
+
+
+def _drop_contiguous_buffers(namespace: dict[str, Any] | None) -> Callable[[], None]:
+    """Upstream's backward start: forget every contiguous buffer list (saved shards keep theirs)."""
+    def drop() -> None:
+        with STATE.bound_to(namespace):
+            if STATE.CONTIGUOUS_CHECKPOINTING:
+                STATE.contiguous_data_buffers = []
+                STATE.contiguous_size_buffers = []
+                STATE.data_offsets = []
+                STATE.size_offsets = []
+
+    return drop
+
+
+def _partitioned_inputs(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> PartitionedInputs:
+    """The engine's partition scope for one call: the activation arguments (``is_activation_to_checkpoint``,
+    kwargs values included as 0.19 appends them) kept as this model-parallel rank's 1/mp_size flat
+    shard, in a contiguous slot or the host tier (``cpu_checkpointing``) when asked."""
+    activations = [item for item in (*args, *(kwargs or {}).values()) if is_activation_to_checkpoint(item)]
+    for item in activations:
+        get_partition_size(item)  # upstream's AssertionError when numel is not divisible by mp_size
+    buffers = _contiguous_slots(activations) if STATE.CONTIGUOUS_CHECKPOINTING else None
+    host = _host_offload_scope() if STATE.CPU_CHECKPOINT and buffers is None else None
+    return PartitionedInputs(activations, STATE.mp_rank, STATE.mp_size, STATE.mp_group, buffers,
+                             session=getattr(host, "session", None),
+                             on_backward=_drop_contiguous_buffers(STATE._bound))
+
+
 def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None,
          reentrant: bool) -> Any:
+    for item in (*args, *(kwargs or {}).values()):
+        if is_hollow(item):
+            raise RuntimeError(HOLLOW_REUSE_ERROR)
     options = _region_options(reentrant)
     observer = options.observer
+    partition = None
+    if STATE.PARTITION_ACTIVATIONS and torch.is_grad_enabled() and not engine_state.is_checkpointing_disabled:
+        partition = _partitioned_inputs(args, kwargs)
+        options = options.replace(saved_tensors_scope=partition)
     if observer is not None and not torch.is_grad_enabled():
         # the engine runs a plain call without grad; upstream still times/synchronizes the forward
         observer.forward_start(function)
         output = run_region(function, args, kwargs, options)
         observer.forward_end(function)
         return output
-    return run_region(function, args, kwargs, options)
+    output = run_region(function, args, kwargs, options)
+    if partition is not None:
+        partition.hollow()  # upstream's side effect: the caller's inputs are emptied until backward
+    return output
 
 
 def _full_outputs(outputs: Any) -> list[Any] | None:
