@@ -5,9 +5,12 @@ without checkpointing, and a rank that raises fails the launch with its error sh
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +93,32 @@ def test_acshim_run_wraps_the_deepspeed_launcher_and_a_failing_rank_fails_it(lau
                      "--fail-rank", "1"], env={**ON_PATH, "DS_ACCELERATOR": "cpu"}, timeout=120)
     _assert_rank_1_failed(result)
     _assert_every_rank_patched(result)
+
+
+def test_two_nodes_each_wrapping_torchrun_form_one_patched_job() -> None:
+    """``torchrun --nnodes 2 --node-rank R`` as on two machines (two launchers on loopback, one rank
+    each, static rendezvous): each node's ranks are patched and the job's ranks are 0 and 1."""
+    port = _free_port()
+    environment = {**os.environ, **ON_PATH, "OMP_NUM_THREADS": "1", "ACSHIM_REPORT_REGIONS": "1"}
+    nodes = [subprocess.Popen([ACSHIM, "run", "--", "torchrun", "--nnodes", "2", "--node-rank", str(rank),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                              start_new_session=True) for rank in (0, 1)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=120))
+    finally:  # whatever is left of each node's session (timeout, the other node failed): kill it
+        for node in nodes:
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            node.wait()
+    assert len(outputs) == 2
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-4000:]
+    results = [json.loads(stdout.split("RESULT ", 1)[1].splitlines()[0]) for stdout, _ in outputs]
+    assert [(r["rank"], r["local_rank"], r["world_size"]) for r in results] == [(0, 0, 2), (1, 0, 2)]
+    assert all(r["patched"] and r["equal"] for r in results), results
+    assert [re.findall(re.escape(REGIONS) + r" \(rank (\d+)\)", stderr) for _, stderr in outputs] == [["0"], ["1"]]
