@@ -10,7 +10,8 @@ extension in ``csrc/`` or its Python fallback (``native.status()``).
 
 Modules: ``scopes`` (public contexts), ``session`` (pack/unpack glue), ``scheduler`` (prefetch
 window), ``layout`` (bytes of a tensor and its rebuild), ``host``/``disk`` (tiers), ``native``
-(extension loader), ``defaults`` (engine-wide defaults facades write).
+(extension loader), ``defaults`` (engine-wide defaults facades write), ``versions`` (torch's
+in-place check, which hooks switch off), ``reaper`` (frees space off the main thread, Ctrl-C safe).
 """
 
 from __future__ import annotations

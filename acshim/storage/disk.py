@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..backends.fileio import ALIGNMENT, aligned_empty, padded
+from .reaper import REAPER
 
 
 class _File:
@@ -98,6 +99,25 @@ def open_private_file(base: str, direct: bool) -> tuple[int, bool]:
     return fd, direct
 
 
+class _Chunks:
+    """A tier's chunk files and lock; the reaper closes the current one when the tier dies."""
+
+    __slots__ = ("lock", "current")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.current: _File | None = None
+
+
+def _retire(chunks: _Chunks) -> None:
+    """Close the current chunk if nothing in it is live (files with live tensors close when their
+    last tensor is freed)."""
+    with chunks.lock:
+        file, chunks.current = chunks.current, None
+        if file is not None and file.live == 0:
+            os.close(file.fd)
+
+
 class DiskTier:
     """Private files for saved tensors. Thread-safe; ``io`` is a ``PythonFileIO``/``NativeFileIO``."""
 
@@ -112,16 +132,22 @@ class DiskTier:
         self.directory = check_directory(directory)
         self.want_direct = direct is not False
         self.file_bytes = file_bytes
-        self._lock = threading.RLock()  # a garbage-collected handle may free a slot while we hold it
-        self._current: _File | None = None
+        self._chunks = _Chunks()
+        # Not __del__: a Ctrl-C landing in it would be swallowed (see ``reaper``).
+        REAPER.watch(self, _retire, self._chunks)
+
+    @property
+    def _current(self) -> _File | None:
+        return self._chunks.current
 
     def _reserve(self, nbytes: int) -> FileSlot:
-        with self._lock:
-            file = self._current
+        chunks = self._chunks
+        with chunks.lock:
+            file = chunks.current
             if file is None or (file.end and file.end + padded(nbytes) > self.file_bytes):
                 if file is not None and file.live == 0:
                     os.close(file.fd)
-                file = self._current = _File(*open_private_file(self.directory, self.want_direct))
+                file = chunks.current = _File(*open_private_file(self.directory, self.want_direct))
             slot = FileSlot(file, file.end, nbytes)
             file.end += padded(nbytes)
             file.live += 1
@@ -146,12 +172,12 @@ class DiskTier:
         return out
 
     def free(self, slot: FileSlot) -> None:
-        with self._lock:
+        with self._chunks.lock:
             file = slot.file
             file.live -= 1
             if file.live:
                 return
-            if file is self._current:
+            if file is self._chunks.current:
                 os.ftruncate(file.fd, 0)  # give the space back, keep the file for the next step
                 file.end = 0
             else:
@@ -160,15 +186,4 @@ class DiskTier:
     def close(self) -> None:
         """Close the current file if nothing in it is live (files with live tensors close when
         their last tensor is freed)."""
-        with self._lock:
-            file, self._current = self._current, None
-            if file is not None and file.live == 0:
-                os.close(file.fd)
-            elif file is not None:
-                file.end = self.file_bytes  # retire it: closed by the last free
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the OS closes descriptors anyway
-            pass
+        _retire(self._chunks)

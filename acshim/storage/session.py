@@ -4,7 +4,7 @@
 size floor, parameters stay), groups it, and issues its copy out when the schedule says so; it
 returns a ``StoredTensor`` handle that autograd keeps. ``unpack`` runs when backward needs it: it
 issues the prefetch window, waits for this tensor's copy in (usually long finished) and rebuilds it
-bit for bit. When autograd frees the handle, the tier space is released (``weakref.finalize``).
+bit for bit. When autograd frees the handle, the tier space is released (on the ``reaper`` thread).
 Bound methods, not closures in ``__init__`` (torchtune's weak spot): each step is testable alone.
 """
 
@@ -23,6 +23,7 @@ from ..backends import Backend, TransferFailed, backend_for
 from ..backends.base import Ticket, Tier
 from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes
+from .reaper import REAPER
 from .scheduler import PrefetchScheduler
 from .versions import modified_error
 
@@ -160,7 +161,7 @@ class OffloadSession:
             return
         handle.out = handle.backend.copy_out(handle.data, self.tier)
         handle.data = None
-        weakref.finalize(handle, handle.backend.release, handle.out, self.tier)
+        REAPER.watch(handle, handle.backend.release, handle.out, self.tier)
         self.scheduler.sent_out(handle)
         self._writing.append(handle)
         self._writing_bytes += handle.layout.nbytes
@@ -265,9 +266,9 @@ class OffloadSession:
 
 
 def _drop_traceback(failure: TransferFailed) -> None:
-    # The failure object lives on in its future, which the handle's finalizer keeps; re-raising it
-    # here attached our frame (holding handles) to it: a cycle through the finalizer registry that
-    # would keep the handles, their files and their tensors alive forever.
+    # The failure object lives on in its future, which the reaper keeps for the handle's release;
+    # re-raising it here attached our frame (holding handles) to it: a cycle through the reaper's
+    # registry that would keep the handles, their files and their tensors alive forever.
     failure.with_traceback(None)
 
 

@@ -22,6 +22,7 @@ from acshim.storage import OffloadIOError, offload
 from acshim.storage import disk as disk_module
 from acshim.storage.disk import DiskTier
 from acshim.storage.native import file_io
+from acshim.storage.reaper import REAPER
 from acshim.testing import assert_bitwise_equal, seeded, tiny_sequential, train_step
 
 
@@ -54,9 +55,11 @@ def test_files_are_private_unlinked_and_gone_after_the_run(disk_dir, fds_in, mon
     loss.backward()
     del loss
     gc.collect()
+    assert REAPER.settle()  # slots are freed on the reaper thread, within moments
     assert os.fstat(fd).st_size == 0  # every slot freed: the space went back to the filesystem
     del scope
     gc.collect()
+    assert REAPER.settle()
     assert fds_in(disk_dir) == [] and os.listdir(disk_dir) == []
 
 
@@ -68,6 +71,7 @@ def test_no_file_remains_after_an_exception_in_forward(disk_dir, fds_in):
             raise ZeroDivisionError("model failed mid-forward")
     del loss
     gc.collect()
+    assert REAPER.settle()
     assert os.listdir(disk_dir) == [] and fds_in(disk_dir) == []
 
 
@@ -143,6 +147,7 @@ def test_full_disk_raises_in_that_step_and_loses_nothing(native, disk_dir, fds_i
     assert_bitwise_equal({k: v for k, v in expected.items() if k.startswith("grad:")}, actual)
     del loss, scope, raised, error  # the traceback holds the scope (and its files) until released
     gc.collect()
+    assert REAPER.settle()
     assert fds_in(disk_dir) == [] and os.listdir(disk_dir) == []
 
 
