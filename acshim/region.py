@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import region_state, rng, structures
+from . import compiled, region_state, rng, structures
 from .batchnorm import running_stats_frozen
 from .options import DEFAULT_OPTIONS, RegionOptions
 from .state import _flag, enable_checkpointing, enable_recomputing, state
@@ -66,6 +66,8 @@ def run_region(
     if state.is_checkpointing_disabled or not torch.is_grad_enabled():
         return function(*args, **kwargs)
     args, kwargs = region_state.region_inputs(function, args, kwargs)  # no cache written twice
+    if compiled.is_compiling():
+        return compiled.run_traced(function, args, kwargs, options)
     scope = options.saved_tensors_scope() if options.saved_tensors_scope else contextlib.nullcontext()
     with scope:
         if options.reentrant:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 _TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
+_streams_seen = False  # set once some tracker holds a stream: until then has_streams() walks nothing
 
 DEFAULT_STREAM_NAME = "model-parallel-rng"
 
@@ -78,6 +79,8 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Install a mapping returned by ``get_states`` (stored as given)."""
         self.states_ = states
+        if states:
+            _saw_streams()
 
     def add(self, name: str, seed: int) -> None:
         """Create stream ``name`` seeded with ``seed``; both must be new."""
@@ -86,6 +89,7 @@ class RNGStatesTracker:
         self.seeds_.add(seed)  # recorded before the name check, as upstream does
         if name in self.states_:
             raise Exception(f"cuda rng state {name} already exists")
+        _saw_streams()
         outer = get_device_rng_state(self.device_type)
         manual_seed_device(self.device_type, seed)
         self.states_[name] = get_device_rng_state(self.device_type)
@@ -114,6 +118,16 @@ def get_rng_tracker() -> RNGStatesTracker:
     if _default_tracker is None:
         _default_tracker = RNGStatesTracker()
     return _default_tracker
+
+
+def has_streams() -> bool:
+    """True when some live tracker holds a stream (a region must then restore tracker states)."""
+    return _streams_seen and any(tracker.states_ for tracker in list(_TRACKERS))
+
+
+def _saw_streams() -> None:
+    global _streams_seen
+    _streams_seen = True
 
 
 def capture_tracker_states() -> list[tuple[RNGStatesTracker, dict[str, torch.Tensor]]]:
