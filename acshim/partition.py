@@ -31,6 +31,9 @@ _HOLLOW: dict[int, weakref.ref[torch.Tensor]] = {}
 """Caller tensors emptied by ``hollow()`` and not yet given their data back (by id; tensors compare
 elementwise, so no WeakSet)."""
 
+_GRAD_HOOKS: dict[int, Any] = {}
+"""The restore-on-gradient hook handle of each emptied caller tensor that requires grad (by id)."""
+
 HOLLOW_REUSE_ERROR = (
     "a checkpoint input was deallocated by a previous activation checkpoint (partition_activations empties the "
     "caller's input tensors until backward); pass a tensor that no earlier checkpoint consumed")
@@ -100,12 +103,32 @@ class Shard:
         return self.gathered
 
     def hollow(self) -> None:
-        """Empty the caller's tensor (0-dim, as upstream) until backward gathers it back."""
+        """Empty the caller's tensor (0-dim, as upstream) until backward gathers it back. A caller
+        tensor that requires grad also gets it back when its gradient arrives, should the region
+        never unpack it (a non-reentrant region that saved nothing; upstream then leaves it empty)."""
         owner = self.owner()
-        if owner is not None and self.gathered is None and not self.hollowed:
-            owner.data = torch.empty([], dtype=self.dtype, device=self.device)
-            self.hollowed = True
-            _HOLLOW[id(owner)] = weakref.ref(owner, _forget(id(owner)))
+        if owner is None or self.gathered is not None or self.hollowed:
+            return
+        owner.data = torch.empty([], dtype=self.dtype, device=self.device)
+        self.hollowed = True
+        key = id(owner)
+        _HOLLOW[key] = weakref.ref(owner, _forget(key))
+        if owner.requires_grad:
+            stale = _GRAD_HOOKS.pop(key, None)
+            if stale is not None:
+                stale.remove()  # a previous step's hook (not removed from inside backward)
+            else:
+                weakref.finalize(owner, _GRAD_HOOKS.pop, key, None)  # no entry outlives its tensor
+            # strong: a region that saved nothing keeps no shard, the hook is then its only owner
+            _GRAD_HOOKS[key] = owner.register_hook(_restore_on_grad(self))
+
+
+def _restore_on_grad(shard: Shard) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        if shard.gathered is None:
+            shard.full()
+
+    return hook
 
 
 class PartitionedInputs:

@@ -180,3 +180,20 @@ def test_no_grad_partitions_nothing():
         for _ in range(3):  # upstream: IndexError on the second call and x hollowed forever
             ckpt.checkpoint(torch.sin, x)
     assert x.shape == (4,) and ckpt.contiguous_data_buffers == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_input_the_region_never_unpacks_is_given_back_when_its_gradient_arrives(mode):
+    ckpt.PARTITION_ACTIVATIONS = True
+    x = torch.randn(4, requires_grad=True)
+    out = MODES[mode](lambda t: t * 2, x)  # saves nothing: non-reentrant never recomputes
+    assert x.shape == ()
+    out.sum().backward()
+    assert x.shape == (4,) and torch.equal(x.grad, torch.full((4,), 2.0))  # upstream: x stays empty
+    out = MODES[mode](lambda t: t * 2, x)  # a second step: the previous step's hook is replaced
+    out.sum().backward()
+    assert x.shape == (4,) and len(x._backward_hooks) == 1
+    key = id(x)
+    assert key in partition._GRAD_HOOKS
+    del x, out
+    assert key not in partition._GRAD_HOOKS  # the registry entry dies with its tensor
