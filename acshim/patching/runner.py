@@ -72,19 +72,27 @@ def run_module(name: str, args: Sequence[str] = ()) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
+_REPORT = {"registered": False, "filtered": True}
+
+
 def report_regions_at_exit(*, only_ranks_and_users: bool = False) -> None:
     """With ``ACSHIM_REPORT_REGIONS=1``, print this process's region counts to stderr at exit, one
     line, `` (rank N)`` appended under a launcher. ``only_ranks_and_users`` (child processes): stay
-    silent in a process that is not a rank and ran no region (a launcher that imported accelerate)."""
+    silent in a process that is not a rank and ran no region (a launcher that imported accelerate).
+    Registers once per process; a call without the filter lifts it."""
     if os.environ.get("ACSHIM_REPORT_REGIONS") != "1":
         return
+    _REPORT["filtered"] = _REPORT["filtered"] and only_ranks_and_users
+    if _REPORT["registered"]:
+        return
+    _REPORT["registered"] = True
     import atexit
 
     from ..region import STATS
 
     def report() -> None:
         rank = os.environ.get("RANK")
-        if only_ranks_and_users and rank is None and STATS.forwards == 0:
+        if _REPORT["filtered"] and rank is None and STATS.forwards == 0:
             return
         print(f"{STATS}{f' (rank {rank})' if rank is not None else ''}", file=sys.stderr, flush=True)
 

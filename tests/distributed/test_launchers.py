@@ -36,6 +36,7 @@ def _assert_every_rank_patched(result) -> None:
     results = result.results
     assert [r["rank"] for r in results] == [0, 1], result.stdout[-2000:] + result.stderr[-4000:]
     assert all(r["world_size"] == 2 and r["patched"] and r["equal"] for r in results), results
+    assert all(r["wrapper"] == "DistributedDataParallel" for r in results), results
     assert result.region_counts() == [REGIONS] * 2, result.stderr[-3000:]
     ranks = re.findall(re.escape(REGIONS) + r" \(rank (\d+)\)", result.stderr)
     assert sorted(ranks) == ["0", "1"], result.stderr[-3000:]
@@ -76,13 +77,14 @@ def test_acshim_run_wraps_python_dash_m_torch_distributed_run_and_a_failing_rank
     _assert_every_rank_patched(result)
 
 
-def test_acshim_run_wraps_accelerate_launch(launch) -> None:
+def test_acshim_run_wraps_accelerate_launch_and_accelerators_ddp(launch) -> None:
     """Accelerate's multi-process launch on CPU goes through torch.distributed.run (``--multi_gpu``
-    names the launch mode, not a device); its ``--cpu`` multi-process mode needs MPI (README)."""
+    names the launch mode, not a device) and ``Accelerator(cpu=True)`` then forms a gloo group and
+    wraps the model in DDP; its ``--cpu`` multi-process launch mode needs MPI (README)."""
     pytest.importorskip("accelerate")
     result = launch([ACSHIM, "run", "--", "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
                      "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no",
-                     "--dynamo_backend", "no", SCRIPT], env=ON_PATH, timeout=120)
+                     "--dynamo_backend", "no", SCRIPT, "--accelerator"], env=ON_PATH, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
     _assert_every_rank_patched(result)
 

@@ -133,3 +133,25 @@ def test_child_keeps_the_module_installing_patched_when_the_trigger_is_the_patch
                           module.__spec__.origin == module.__file__]))
     """, prelude=False, env={**environment, "PYTHONPATH": environment["PYTHONPATH"]})
     assert result.stdout.strip() == "[true, true, true]"
+
+
+def test_region_report_once_per_process_and_silent_in_launchers_that_ran_none(tmp_path: Path, run_acshim) -> None:
+    """``ACSHIM_REPORT_REGIONS=1`` under child patching: one line per process even when ``acshim
+    run`` runs inside a patched child, none from a non-rank helper that ran no region, the rank
+    appended where a launcher set ``RANK``."""
+    (tmp_path / "imports.py").write_text("import torch.distributed.algorithms._checkpoint.checkpoint_wrapper\n")
+    (tmp_path / "region.py").write_text(textwrap.dedent("""
+        import torch
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        checkpoint_wrapper(torch.nn.Linear(2, 2))(torch.ones(1, 2)).sum().backward()
+    """))
+    path = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "ACSHIM_REPORT_REGIONS": "1"}
+    line = "acshim: 0 region forwards, 0 recomputes"
+    nested = run_acshim("run", "--", "python", "-m", "acshim", "run", "region.py", cwd=tmp_path, env=path)
+    helper = run_acshim("run", "--", "python", "imports.py", cwd=tmp_path, env=path)
+    rank = run_acshim("run", "--", "python", "imports.py", cwd=tmp_path, env={**path, "RANK": "3"})
+    assert [r.returncode for r in (nested, helper, rank)] == [0, 0, 0], nested.stderr + helper.stderr + rank.stderr
+    assert nested.stderr.count("acshim: 1 region forwards, 1 recomputes") == 1, nested.stderr
+    assert line not in helper.stderr, helper.stderr
+    assert f"{line} (rank 3)" in rank.stderr, rank.stderr
