@@ -45,6 +45,10 @@ starts has the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``acshim`` console script and ``python -m acshim``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) > 1 and argv[0].startswith(("--local_rank=", "--local-rank=")) and argv[1] == "run":
+        # ``deepspeed --module acshim run train.py`` (or ``--no_python acshim run``) puts its
+        # ``--local_rank=N`` right after ``acshim``: hand it to the script, where python would have it.
+        return run_command(argv[2:], script_prefix=[argv[0]])
     if argv and argv[0] == "run":
         return run_command(argv[1:])
     if argv and argv[0] == "demo":  # everything after ``demo`` is the demo's own
@@ -116,9 +120,10 @@ def _parse_run(argv: list[str]) -> tuple[dict[str, bool], str | None, str | None
     return flags, argv[index], None, argv[index + 1:]
 
 
-def run_command(argv: list[str]) -> int:
+def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
     """``acshim run``: exit code 0, the script's own ``SystemExit`` code, 1 on an uncaught
-    exception (traceback printed as python prints it), 2 on a usage error or missing script."""
+    exception (traceback printed as python prints it), 2 on a usage error or missing script.
+    ``script_prefix``: arguments the script gets before its own (a launcher's ``--local_rank=N``)."""
     parsed = _parse_run(argv)
     if parsed == "help":
         print(RUN_HELP, end="")
@@ -127,6 +132,7 @@ def run_command(argv: list[str]) -> int:
         print(f"usage: {RUN_USAGE}\n{parsed}", file=sys.stderr)
         return 2
     flags, script, module, args = parsed
+    args = [*script_prefix, *args]
     launcher = _launcher_path(script)
     if launcher is not None:
         return run_launcher(launcher, [script, *args], hf=flags["hf"])

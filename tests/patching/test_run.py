@@ -150,3 +150,13 @@ def test_a_launcher_is_an_executable_on_path_that_is_not_a_file_here(tmp_path: P
     (tmp_path / "python").write_text("print('a script called python')\n")
     assert _launcher_path("python") is None  # a file here runs as a script, as under python
     assert _launcher_path(str(Path("sub") / "torchrun")) is None  # a path is never looked up on PATH
+
+
+def test_deepspeed_launchers_local_rank_before_run_goes_to_the_script(tmp_path: Path, run_acshim, plain_env) -> None:
+    """``deepspeed --module acshim run train.py x`` starts ``python -u -m acshim --local_rank=N run
+    train.py x`` (deepspeed/launcher/launch.py): the script sees what ``deepspeed train.py x`` gives it."""
+    _write(tmp_path / "train.py", PROBE)
+    expected = _python("-u", "train.py", "--local_rank=1", "x", cwd=tmp_path, env=plain_env)
+    actual = run_acshim("--local_rank=1", "run", "train.py", "x", cwd=tmp_path)
+    assert actual.returncode == 0, actual.stderr
+    assert json.loads(actual.stdout)["argv"] == json.loads(expected.stdout)["argv"] == ["train.py", "--local_rank=1", "x"]
