@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -160,3 +161,19 @@ def test_deepspeed_launchers_local_rank_before_run_goes_to_the_script(tmp_path: 
     actual = run_acshim("--local_rank=1", "run", "train.py", "x", cwd=tmp_path)
     assert actual.returncode == 0, actual.stderr
     assert json.loads(actual.stdout)["argv"] == json.loads(expected.stdout)["argv"] == ["train.py", "--local_rank=1", "x"]
+
+
+def test_launcher_replaces_acshim_and_inherits_child_patching(tmp_path: Path, plain_env) -> None:
+    """``acshim run -- python ...``: the launcher runs in acshim's place (same pid, its own exit
+    status, so signals reach it directly) with child patching in its environment."""
+    from acshim.patching.children import childsite_dir
+
+    console = str(Path(sys.executable).with_name("acshim"))
+    env = {**plain_env, "PATH": os.pathsep.join([str(Path(sys.executable).parent), plain_env.get("PATH", "")])}
+    code = ("import json, os, sys; print(json.dumps([os.getpid(), os.environ.get('ACSHIM_PATCH_CHILDREN'), "
+            "os.environ['PYTHONPATH'].split(os.pathsep)[0], sys.argv[1:]])); sys.exit(7)")
+    process = subprocess.Popen([console, "run", "--", "python", "-c", code, "a"], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 7, stderr
+    assert json.loads(stdout) == [process.pid, "1", childsite_dir(), ["a"]]
