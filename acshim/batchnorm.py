@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+try:
+    from torch.utils.checkpoint import _CachedTorchDispatchMode
+except ImportError:  # a torch without selective checkpointing: no such mode to step out of
+    _CachedTorchDispatchMode = ()
 
 _lock = threading.Lock()
 _active_guards = 0
@@ -33,13 +39,22 @@ def _stashed() -> dict[_BatchNorm, list[tuple[torch.Tensor, torch.Tensor]]] | No
     return getattr(_local, "stashed", None)
 
 
+def _outside_selective_recompute() -> contextlib.AbstractContextManager[Any]:
+    """The snapshot and write-back are acshim's own, not the region's: a selective region's recompute
+    mode (``context_fn``) replays only the operators its forward ran and would reject them."""
+    if any(isinstance(mode, _CachedTorchDispatchMode) for mode in _get_current_dispatch_mode_stack()):
+        return _disable_current_modes()
+    return contextlib.nullcontext()
+
+
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     stashed = _stashed()
     if stashed is None or not isinstance(module, _BatchNorm) or module in stashed:
         return
     if module.training and module.track_running_stats:
         buffers = [getattr(module, name) for name in _STATISTICS]
-        stashed[module] = [(b, b.detach().clone()) for b in buffers if b is not None]
+        with _outside_selective_recompute():
+            stashed[module] = [(b, b.detach().clone()) for b in buffers if b is not None]
 
 
 @contextlib.contextmanager
@@ -56,10 +71,11 @@ def running_stats_frozen() -> Iterator[None]:
         yield
     finally:
         if outer is None:
-            for pairs in _local.stashed.values():
-                for buffer, snapshot in pairs:
-                    # .data: write back without bumping the version counter autograd checks
-                    buffer.data.copy_(snapshot)
+            with _outside_selective_recompute():
+                for pairs in _local.stashed.values():
+                    for buffer, snapshot in pairs:
+                        # .data: write back without bumping the version counter autograd checks
+                        buffer.data.copy_(snapshot)
             _local.stashed = None
         with _lock:
             _active_guards -= 1
