@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import compiled, region_state, rng, structures
+from . import compiled, region_state, rng, selective, structures
 from .batchnorm import running_stats_frozen
 from .options import DEFAULT_OPTIONS, RegionOptions
 from .state import _flag, enable_checkpointing, enable_recomputing, state
@@ -126,7 +126,7 @@ def _run_non_reentrant(
             *args,
             use_reentrant=False,
             preserve_rng_state=options.preserve_rng_state,
-            context_fn=options.context_fn or torch_checkpoint.noop_context_fn,
+            context_fn=selective.honour_offload(options.context_fn) or torch_checkpoint.noop_context_fn,
             determinism_check=options.determinism_check,
             debug=options.debug,
             **extra,

@@ -6,16 +6,27 @@ The "save every other matmul" rule is the one torchtitan and Modalities use
 (torchtitan/distributed/activation_checkpoint.py, modalities activation_checkpointing.py): the 1st,
 3rd, 5th... ``mm`` of a region is saved, the others recomputed; counters are per region call and
 kept apart for forward and recompute.
+
+Offload policies: a policy may return ``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``
+(torch.utils.checkpoint, torch >= 2.5). Torch honours them only in compiled graphs; in eager torch
+quietly recomputes those ops. In acshim regions (``honour_offload``, applied by every non-reentrant
+region) the op's output is kept, as ``MUST_SAVE`` would, but its bytes go to acshim's storage tier
+(``storage.set_defaults``, or ``offload_policies(context_fn, storage="disk")``) and come back, bit for
+bit and prefetched, when the recompute reaches the op.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
@@ -82,3 +93,119 @@ def save_ops(ops: Iterable[Any] = DEFAULT_SAVE_OPS, *, recompute_every_other: It
         return create_selective_checkpoint_contexts(_SaveOpsPolicy(save, alternate))
 
     return functools.update_wrapper(context_fn, save_ops)
+
+
+# ------------------------------------------------------------------------------------------------
+# offload policies in eager mode
+
+_OFFLOAD_POLICIES = {
+    getattr(CheckpointPolicy, name): CheckpointPolicy.MUST_SAVE if name.startswith("MUST") else CheckpointPolicy.PREFER_SAVE
+    for name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD") if hasattr(CheckpointPolicy, name)
+}
+
+
+class _OffloadedEntry:
+    """Stands in for torch's cached ``_VersionWrapper`` of one saved op output: its bytes live in
+    the storage tier (a session handle) and ``get_val`` brings them back, bitwise."""
+
+    __slots__ = ("session", "packed", "version", "source")
+
+    def __init__(self, session: Any, tensor: torch.Tensor, version: int | None) -> None:
+        self.session, self.version = session, version
+        self.packed = session.pack(tensor)
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        value = self.session.unpack(self.packed)
+        if self.version is not None and not allow_cache_entry_mutation and value._version != self.version:
+            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
+        return value
+
+
+class _Marker(threading.local):
+    offload_next = False
+
+
+class _OffloadingEntries(dict):
+    """One op's cache in torch's SAC storage; an entry stored right after an offload decision is
+    moved to the storage tier (torch's caching mode stores each output just after asking the policy)."""
+
+    def __init__(self, marker: _Marker, session: Any) -> None:
+        super().__init__()
+        self.marker, self.session = marker, session
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if self.marker.offload_next:
+            self.marker.offload_next = False
+            value = tree_map(self._offload, value)
+        super().__setitem__(index, value)
+
+    def _offload(self, leaf: Any) -> Any:
+        val = getattr(leaf, "val", None)
+        if isinstance(val, torch.Tensor) and hasattr(leaf, "get_val"):
+            return _OffloadedEntry(self.session, val, getattr(leaf, "version", None))
+        return leaf
+
+
+def _default_scope() -> Any:
+    from .storage import boundary_offload, get_defaults
+
+    defaults = get_defaults()
+    scope = _default_scopes.get(defaults)
+    if scope is None:
+        _default_scopes.clear()
+        scope = _default_scopes[defaults] = boundary_offload()
+    return scope
+
+
+_default_scopes: dict[Any, Any] = {}
+
+
+def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn | None:
+    """``context_fn`` with its policy's ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` honoured in
+    eager mode through acshim's storage tier (``scope``: a ``storage.boundary_offload(...)``; None
+    = one shared scope built from ``storage.get_defaults()``). Each region call is one prefetch group.
+    Contexts that are not torch's selective-checkpoint pair, and calls while torch.compile traces
+    (where torch offloads itself), are left alone. Idempotent."""
+    if context_fn is None or getattr(context_fn, "_acshim_offload", False):
+        return context_fn
+
+    def with_offload() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        forward, recompute = context_fn()
+        caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+        if (not _OFFLOAD_POLICIES or caching is None or not isinstance(forward, caching)
+                or torch.compiler.is_compiling() or not isinstance(getattr(forward, "storage", None), defaultdict)
+                or forward.storage):
+            return forward, recompute
+        session = (scope if scope is not None else _default_scope()).session
+        session.start_group()
+        marker = _Marker()
+        policy = forward.policy_fn
+
+        def offloading_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            decision = policy(ctx, op, *args, **kwargs)
+            if not isinstance(decision, bool) and decision in _OFFLOAD_POLICIES:
+                marker.offload_next = True
+                return _OFFLOAD_POLICIES[decision]
+            return decision
+
+        forward.policy_fn = offloading_policy
+        forward.storage.default_factory = functools.partial(_OffloadingEntries, marker, session)
+        return forward, recompute
+
+    with_offload._acshim_offload = True  # type: ignore[attr-defined]
+    return with_offload
+
+
+def offload_policies(context_fn: ContextFn, storage: str | None = None, prefetch: int | None = None,
+                     directory: str | None = None, min_bytes: int | None = None) -> ContextFn:
+    """``context_fn`` whose offload decisions go to this storage tier (options of ``acshim.offload``;
+    one prefetch schedule for every region using the returned function).
+
+    >>> context_fn = offload_policies(lambda: create_selective_checkpoint_contexts(policy), storage="disk")
+    >>> acshim.apply_checkpointing(model, context_fn=context_fn)
+    """
+    from .storage import boundary_offload
+
+    wrapped = honour_offload(context_fn, boundary_offload(storage, prefetch, directory, min_bytes))
+    assert wrapped is not None
+    return wrapped

@@ -1,0 +1,137 @@
+"""Selective-checkpoint offload policies (``CheckpointPolicy.MUST_CPU_OFFLOAD`` /
+``PREFER_CPU_OFFLOAD``, torch.utils.checkpoint) honoured in eager acshim regions through the storage
+tier: exact gradients, the outputs really leave memory on the disk tier, fewer bytes held."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import acshim
+from acshim.facades.torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from acshim.selective import honour_offload, offload_policies
+from acshim.storage import recording, reset_defaults, set_defaults
+from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
+
+MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_defaults():
+    reset_defaults()
+    yield
+    reset_defaults()
+
+
+def policy_context(decision: CheckpointPolicy):
+    """A context_fn whose policy gives ``decision`` to matmuls and recomputes everything else."""
+
+    def policy(ctx, op, *args, **kwargs):
+        return decision if op in MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output
+
+
+IDS = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def _checkpointed(context_fn) -> GPT:
+    model = seeded(GPT)
+    acshim.apply_checkpointing(model, context_fn=context_fn)
+    return model
+
+
+@pytest.mark.parametrize("decision", ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
+@pytest.mark.parametrize("storage", ["host", "disk"])
+def test_offload_policy_is_exact_and_uses_the_tier(decision, storage, tmp_path) -> None:
+    plain = train_step(seeded(GPT), IDS, loss_fn=_loss)  # dropout on: RNG must be preserved too
+    set_defaults(storage=storage, prefetch=0, directory=str(tmp_path))
+    with recording() as sessions:
+        got = train_step(_checkpointed(policy_context(getattr(CheckpointPolicy, decision))), IDS, loss_fn=_loss)
+    assert_bitwise_equal(plain, got)
+    stats = [s.stats for s in sessions]
+    assert stats and sum(s.saved for s in stats) > 0
+    if storage == "disk":  # every matmul output of every block went out and came back
+        assert sum(s.moved for s in stats) == sum(s.sent_out for s in stats) == sum(s.fetched for s in stats) > 0
+    else:  # CPU tensors on the host tier stay where they are (free)
+        assert sum(s.kept for s in stats) == sum(s.saved for s in stats)
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files]  # private files are unlinked
+
+
+def test_disk_offload_holds_fewer_bytes_than_saving(tmp_path) -> None:
+    held = {}
+    for name, decision in (("save", CheckpointPolicy.MUST_SAVE), ("offload", CheckpointPolicy.MUST_CPU_OFFLOAD)):
+        set_defaults(storage="disk", prefetch=0, directory=str(tmp_path))
+        held[name] = acshim.measure_memory(_checkpointed(policy_context(decision)), IDS, loss_fn=_loss).held_bytes
+    full = acshim.measure_memory(_checkpointed(None), IDS, loss_fn=_loss).held_bytes
+    # the matmul outputs no longer stay in memory: as little as full recomputation holds
+    assert held["offload"] < held["save"]
+    assert held["offload"] <= full * 1.05
+
+
+def test_offload_policies_picks_its_own_tier(tmp_path) -> None:
+    plain = train_step(seeded(GPT), IDS, loss_fn=_loss)
+    context_fn = offload_policies(policy_context(CheckpointPolicy.MUST_CPU_OFFLOAD), storage="disk", prefetch=1,
+                                  directory=str(tmp_path))
+    assert honour_offload(context_fn) is context_fn  # the region's own wrapping leaves it alone
+    with recording():
+        got = train_step(_checkpointed(context_fn), IDS, loss_fn=_loss)
+    assert_bitwise_equal(plain, got)
+
+
+def test_facade_context_fn_and_drop_in_checkpoint_honour_it(tmp_path) -> None:
+    set_defaults(storage="disk", prefetch=0, directory=str(tmp_path))
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    block(x).square().sum().backward()
+    expected = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    fetched = 0
+    with recording() as sessions:  # the default scope is made by the first region that needs it
+        for run in (
+            lambda: checkpoint_wrapper(block, context_fn=policy_context(CheckpointPolicy.MUST_CPU_OFFLOAD))(x),
+            lambda: acshim.checkpoint(block, x, context_fn=policy_context(CheckpointPolicy.PREFER_CPU_OFFLOAD)),
+        ):
+            block.zero_grad()
+            x.grad = None
+            run().square().sum().backward()
+            got = [p.grad for p in block.parameters()] + [x.grad]
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            now = sum(s.stats.fetched for s in sessions)
+            assert now - fetched == 2  # both linear outputs (addmm) went to disk and came back
+            fetched = now
+
+
+def test_plain_policies_and_other_contexts_are_untouched() -> None:
+    calls = []
+
+    def context_fn():
+        calls.append(1)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.no_grad()
+
+    assert honour_offload(None) is None
+    forward, _ = honour_offload(context_fn)()
+    assert calls and isinstance(forward, torch.autograd.graph.saved_tensors_hooks)
+
+
+def test_mutated_offloaded_output_raises_as_torch(tmp_path) -> None:
+    set_defaults(storage="disk", prefetch=0, directory=str(tmp_path))
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def fn(x):
+        y = x @ w
+        return y.sin(), y
+
+    x = torch.randn(8, 16, requires_grad=True)
+    out, y = acshim.checkpoint(fn, x, context_fn=policy_context(CheckpointPolicy.MUST_CPU_OFFLOAD))
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="mutated|modified by an inplace"):
+        out.sum().backward()
