@@ -2,9 +2,12 @@
 
 Files: each is created in a fresh ``mkdtemp`` directory (mode 0700) with mode 0600, unlinked at once
 and the directory removed, so the name exists for microseconds and a killed process leaves nothing on
-disk; the space returns to the filesystem when the descriptor closes. Tensors are appended at
-page-aligned offsets to a chunk file (``file_bytes`` each); a chunk whose tensors are all freed is
-truncated and reused (the current one) or closed.
+disk; the space returns to the filesystem when the descriptor closes. Tensors get page-aligned
+ranges of a chunk file (``file_bytes`` each): a freed range is reused by later tensors (first fit), a
+freed tail is truncated away at once, a freed range inside is punched out (``fallocate``, where the
+filesystem can), and a chunk whose tensors are all freed is truncated to zero
+(the current one) or closed. So graphs dropped without backward (evaluation with grad on) give their
+space back step by step, not only when a whole chunk empties.
 
 Page cache: files are opened with ``O_DIRECT`` where the filesystem allows it (probed with one aligned
 write); otherwise written ranges are flushed and dropped with ``posix_fadvise(DONTNEED)``, so the
@@ -15,6 +18,8 @@ The byte I/O is done by the native engine or its Python fallback (``acshim.stora
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -29,14 +34,63 @@ import torch
 from ..backends.fileio import ALIGNMENT, aligned_empty, padded
 from .reaper import REAPER
 
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_fallocate: Any = None
+
+
+def punch_hole(fd: int, offset: int, size: int) -> bool:
+    """Give ``[offset, offset + size)`` of a file back to the filesystem, keeping its size (Linux
+    ``fallocate``). False where the platform or filesystem cannot; the range is reused anyway."""
+    global _fallocate
+    if _fallocate is None:
+        try:
+            function = ctypes.CDLL(None, use_errno=True).fallocate
+            function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+            _fallocate = function
+        except (AttributeError, OSError):
+            _fallocate = False
+    return bool(_fallocate) and _fallocate(fd, _PUNCH_HOLE, offset, size) == 0
+
 
 class _File:
-    """One open, unlinked chunk file."""
+    """One open, unlinked chunk file: slots below ``end``, freed ranges in ``holes`` (sorted
+    ``[offset, size]``, coalesced, never touching ``end``)."""
 
-    __slots__ = ("fd", "direct", "end", "live")
+    __slots__ = ("fd", "direct", "end", "live", "holes", "punch")
 
     def __init__(self, fd: int, direct: bool) -> None:
         self.fd, self.direct, self.end, self.live = fd, direct, 0, 0
+        self.holes: list[list[int]] = []
+        self.punch = True
+        """False once the filesystem refused to punch a hole."""
+
+    def take_hole(self, size: int) -> int | None:
+        """The offset of the first freed range that fits ``size`` bytes (now used), or None."""
+        for i, hole in enumerate(self.holes):
+            if hole[1] >= size:
+                offset = hole[0]
+                if hole[1] == size:
+                    del self.holes[i]
+                else:
+                    hole[0] += size
+                    hole[1] -= size
+                return offset
+        return None
+
+    def give_back(self, offset: int, size: int) -> bool:
+        """Record ``[offset, offset + size)`` as free; True if ``end`` moved down (the tail freed)."""
+        holes = self.holes
+        i = bisect.bisect_left(holes, [offset, 0])
+        if i < len(holes) and offset + size == holes[i][0]:  # merge with the next hole
+            size += holes.pop(i)[1]
+        if i and holes[i - 1][0] + holes[i - 1][1] == offset:  # and with the previous one
+            i -= 1
+            offset, size = holes[i][0], holes.pop(i)[1] + size
+        if offset + size == self.end:
+            self.end = offset
+            return True
+        holes.insert(i, [offset, size])
+        return False
 
 
 @dataclass(frozen=True)
@@ -141,17 +195,20 @@ class DiskTier:
         return self._chunks.current
 
     def _reserve(self, nbytes: int) -> FileSlot:
+        size = padded(nbytes)
         chunks = self._chunks
         with chunks.lock:
             file = chunks.current
-            if file is None or (file.end and file.end + padded(nbytes) > self.file_bytes):
-                if file is not None and file.live == 0:
-                    os.close(file.fd)
-                file = chunks.current = _File(*open_private_file(self.directory, self.want_direct))
-            slot = FileSlot(file, file.end, nbytes)
-            file.end += padded(nbytes)
+            offset = file.take_hole(size) if file is not None else None
+            if offset is None:
+                if file is None or (file.end and file.end + size > self.file_bytes):
+                    if file is not None and file.live == 0:
+                        os.close(file.fd)
+                    file = chunks.current = _File(*open_private_file(self.directory, self.want_direct))
+                offset = file.end
+                file.end += size
             file.live += 1
-            return slot
+            return FileSlot(file, offset, nbytes)
 
     def write(self, data: torch.Tensor) -> FileSlot:
         slot = self._reserve(data.numel())
@@ -172,14 +229,22 @@ class DiskTier:
         return out
 
     def free(self, slot: FileSlot) -> None:
+        """Free a slot: later slots reuse its range, and a freed tail goes back to the filesystem
+        at once, so the space held follows the live tensors, not the chunk's history."""
         with self._chunks.lock:
             file = slot.file
             file.live -= 1
             if file.live:
+                size = padded(slot.nbytes)
+                if slot.offset + size < file.end and file.punch:  # before give_back: not yet reusable
+                    file.punch = punch_hole(file.fd, slot.offset, size)
+                if file.give_back(slot.offset, size):
+                    os.ftruncate(file.fd, file.end)
                 return
             if file is self._chunks.current:
                 os.ftruncate(file.fd, 0)  # give the space back, keep the file for the next step
                 file.end = 0
+                file.holes.clear()
             else:
                 os.close(file.fd)
 

@@ -79,6 +79,24 @@ def fds_in():
     return private_fds
 
 
+def spill_bytes(directory: str) -> int:
+    """Disk space allocated to this process's open files in ``directory`` (unlinked ones too)."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(directory):
+                total += os.fstat(int(fd)).st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+@pytest.fixture
+def spill_in():
+    return spill_bytes
+
+
 @pytest.fixture
 def mlp_input():
     return torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
