@@ -29,10 +29,16 @@ _LAZY = {
 }
 
 
+# Subpackages the documentation names as ``acshim.<name>.…`` after a bare ``import acshim``.
+_SUBPACKAGES = ("selective", "storage", "testing", "hf", "patching", "facades", "backends")
+
+
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
+    if name in _LAZY or name in _SUBPACKAGES:
         import importlib
 
+        if name in _SUBPACKAGES:
+            return importlib.import_module(f"acshim.{name}")  # importing binds it as an attribute
         module_name, attribute = _LAZY[name]
         value = getattr(importlib.import_module(module_name), attribute)
         globals()[name] = value

@@ -24,6 +24,9 @@ and pickles with it), so applying again can tell its own regions apart."""
 
 def build_options(options: RegionOptions | None = None, **changes: Any) -> RegionOptions:
     """``options`` (or the defaults) with ``changes`` applied; unknown names are rejected."""
+    if options is not None and not isinstance(options, RegionOptions):
+        raise TypeError(f"options must be a RegionOptions or None, got {type(options).__name__}; pass single "
+                        "options as keywords instead, e.g. reentrant=True")
     unknown = sorted(set(changes) - _OPTION_FIELDS)
     if unknown:
         raise TypeError(f"unknown checkpointing option(s) {', '.join(unknown)}; known: {', '.join(sorted(_OPTION_FIELDS))}")
@@ -50,8 +53,7 @@ def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options:
     >>> acshim.apply_checkpointing(model)                       # every transformer block
     >>> acshim.apply_checkpointing(model, acshim.EveryNth(2))   # every other block
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}")
+    _require_module("apply_checkpointing", model)
     if storage is None and (prefetch is not None or directory is not None):
         raise ValueError("apply_checkpointing: prefetch= and directory= configure the storage tier; pass "
                          "storage='host' or storage='disk' as well")
@@ -93,11 +95,18 @@ def _unapply(module: nn.Module) -> bool:
     return uncheckpoint_module(module)
 
 
+def _require_module(function: str, model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function} needs an nn.Module as its first argument (the model), got {type(model).__name__}")
+
+
 def remove_checkpointing(model: nn.Module) -> list[str]:
     """Undo ``apply_checkpointing`` everywhere in ``model``; returns the names restored."""
+    _require_module("remove_checkpointing", model)
     return [name for name, module in model.named_modules() if _unapply(module)]
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
     """Names of the submodules of ``model`` that are checkpointed regions."""
+    _require_module("checkpointed_modules", model)
     return [name for name, module in model.named_modules() if checkpointed_forward_of(module) is not None]

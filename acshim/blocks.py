@@ -7,7 +7,23 @@ from collections.abc import Iterable
 from torch import nn
 
 
-def find_blocks(model: nn.Module, class_names: Iterable[str] | None = None) -> list[tuple[str, nn.Module]]:
+def class_names_argument(function: str, class_names: Iterable[str] | str | None) -> tuple[str, ...] | None:
+    """``class_names`` as a tuple: a bare string is one name (not its letters); anything but strings
+    raises ``TypeError``."""
+    if class_names is None:
+        return None
+    names = (class_names,) if isinstance(class_names, str) else class_names
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = (names,)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"{function}: class_names must be class names as strings, e.g. ('LlamaDecoderLayer',), "
+                        f"got {class_names!r}")
+    return names
+
+
+def find_blocks(model: nn.Module, class_names: Iterable[str] | str | None = None) -> list[tuple[str, nn.Module]]:
     """Return ``(qualified name, module)`` for the model's repeated blocks, outermost first.
 
     With ``class_names`` (e.g. a Hugging Face model's ``_no_split_modules``), every module of one of
@@ -15,6 +31,9 @@ def find_blocks(model: nn.Module, class_names: Iterable[str] | None = None) -> l
     ``nn.ModuleList`` / ``nn.Sequential`` whose children all share one class (at least two of them);
     ties go to the container met first. Returns ``[]`` when nothing repeats.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"find_blocks needs an nn.Module, got {type(model).__name__}")
+    class_names = class_names_argument("find_blocks", class_names)
     if class_names is not None:
         wanted = set(class_names)
         found: list[tuple[str, nn.Module]] = []

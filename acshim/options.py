@@ -62,9 +62,42 @@ class RegionOptions:
     """Reentrant only: the RuntimeError text when ``torch.autograd.grad`` reaches the region (a
     facade sets its upstream's wording; default: torch's)."""
 
+    def __post_init__(self) -> None:
+        check_options(self)
+
     def replace(self, **changes: Any) -> RegionOptions:
         """A copy with ``changes`` applied."""
         return replace(self, **changes)
+
+
+_FLAGS = ("reentrant", "preserve_rng_state", "debug", "early_stop")
+_CALLABLES = {
+    "context_fn": "a function returning a (forward, recompute) pair of context managers, such as "
+                  "acshim.selective.save_ops()",
+    "saved_tensors_scope": "a function returning a saved_tensors_hooks context, such as "
+                           "acshim.storage.boundary_offload(storage='host')",
+}
+
+
+def check_options(options: RegionOptions) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad field and what it accepts, so a bad
+    option fails where it is given, not at the first forward."""
+    for name in _FLAGS:
+        value = getattr(options, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if options.determinism_check not in DETERMINISM_CHECKS:  # torch's wording
+        raise ValueError(f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, "
+                         f"but got {options.determinism_check}")
+    for name, accepted in _CALLABLES.items():
+        value = getattr(options, name)
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be {accepted}, or None; got {value!r}")
+    if options.reentrant and (options.context_fn is not None or options.debug):  # torch's wording
+        raise ValueError("Passing context_fn or debug is only supported when use_reentrant=False. "
+                         "(acshim: drop context_fn/debug or pass reentrant=False)")
+    if options.grad_error_message is not None and not isinstance(options.grad_error_message, str):
+        raise TypeError(f"grad_error_message must be a string or None, got {options.grad_error_message!r}")
 
 
 DEFAULT_OPTIONS = RegionOptions()

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .blocks import find_blocks
+from .blocks import class_names_argument, find_blocks
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Policy:
 class Blocks(Policy):
     """The model's repeated blocks (``find_blocks``): the default policy."""
 
-    def __init__(self, class_names: Sequence[str] | None = None) -> None:
-        self.class_names = class_names
+    def __init__(self, class_names: Sequence[str] | str | None = None) -> None:
+        self.class_names = class_names_argument("Blocks", class_names)
 
     def select(self, model: nn.Module) -> list[Target]:
         return [ModuleTarget(n, m) for n, m in find_blocks(model, self.class_names)]
@@ -135,9 +135,14 @@ class EveryNth(Policy):
     def __init__(self, n: int, of: Policy | None = None, start: int = 0) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"EveryNth needs a whole number n >= 1, got {n!r}")
-        if not isinstance(start, int) or start < 0:
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ValueError(f"EveryNth start must be a whole number >= 0, got {start!r}")
-        self.n, self.of, self.start = n, of or Blocks(), start
+        try:
+            chosen = as_policy(of)
+        except TypeError:
+            raise TypeError(f"EveryNth of= must be a Policy (or a shorthand apply_checkpointing accepts), got "
+                            f"{of!r}; e.g. EveryNth(2, of=ByClass(MyBlock))") from None
+        self.n, self.of, self.start = n, chosen, start
 
     def select(self, model: nn.Module) -> list[Target]:
         chosen = self.of.select(model)
@@ -173,6 +178,10 @@ class SequentialStrategy(Policy):
 
     def __init__(self, strategy: str = "each", target: str = "", pack_args_as_tuple: bool = False) -> None:
         strategy_groups(strategy, 1)  # validates
+        if not isinstance(target, str):
+            raise TypeError(f"SequentialStrategy target must be a submodule name ('' for the model), got {target!r}")
+        if not isinstance(pack_args_as_tuple, bool):
+            raise TypeError(f"SequentialStrategy pack_args_as_tuple must be True or False, got {pack_args_as_tuple!r}")
         self.strategy, self.target, self.pack_args_as_tuple = strategy, target, pack_args_as_tuple
 
     def select(self, model: nn.Module) -> list[Target]:

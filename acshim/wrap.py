@@ -106,9 +106,18 @@ def checkpointed_forward_of(module: nn.Module) -> CheckpointedForward | None:
     return forward if isinstance(forward, CheckpointedForward) else None
 
 
+def _check_arguments(function: str, module: Any, options: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{function} needs an nn.Module, got {type(module).__name__}")
+    if not isinstance(options, RegionOptions):
+        raise TypeError(f"{function}: options must be a RegionOptions, got {type(options).__name__}; "
+                        "build one with acshim.build_options(reentrant=..., ...)")
+
+
 def checkpoint_module(module: nn.Module, options: RegionOptions) -> nn.Module:
     """Make ``module`` one checkpointed region in place and return it. Idempotent: a module that
     is already a region keeps one region and takes the new options."""
+    _check_arguments("checkpoint_module", module, options)
     existing = checkpointed_forward_of(module)
     replaced = existing.replaced if existing is not None else module.__dict__.get("forward", _MISSING)
     module.forward = CheckpointedForward(module, options, replaced)
@@ -120,6 +129,7 @@ def checkpoint_sequential_groups(module: nn.Sequential, options: RegionOptions, 
     """Run ``module``'s children as checkpointed ``groups`` of consecutive indexes, in place."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"groups of children need an nn.Sequential, got {type(module).__name__}")
+    _check_arguments("checkpoint_sequential_groups", module, options)
     flat = [i for g in groups for i in g]
     if flat != list(range(len(module))):
         raise ValueError(f"groups must cover children 0..{len(module) - 1} in order, got {groups}")
@@ -131,6 +141,8 @@ def checkpoint_sequential_groups(module: nn.Sequential, options: RegionOptions, 
 
 def uncheckpoint_module(module: nn.Module) -> bool:
     """Undo ``checkpoint_module`` / ``checkpoint_sequential_groups``; True if it was a region."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"uncheckpoint_module needs an nn.Module, got {type(module).__name__}")
     existing = checkpointed_forward_of(module)
     if existing is None:
         return False

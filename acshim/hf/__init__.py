@@ -169,6 +169,8 @@ def patch_transformers(policy: PolicyLike = None, *, every_n_layers: int = 1, of
     region_options = build_options(options, **option_changes)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
         raise ValueError(f"every_n_layers must be a whole number >= 1, got {every_n_layers!r}")
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be True or False, got {offload!r}")
     _state.autopatch = _AutoPatch(policy, every_n_layers, bool(offload), region_options)
     _sync()
 

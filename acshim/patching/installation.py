@@ -72,25 +72,28 @@ _lock = threading.RLock()
 _current: Installation | None = None
 
 
-def install(*, dialects: Iterable[str | Dialect] | None = None, hf: bool = False,
+def install(*, dialects: Iterable[str | Dialect] | str | None = None, hf: bool = False,
             transformers: bool = True) -> Installation:
     """Make upstream checkpointing APIs run on acshim in this process. Idempotent.
 
-    ``dialects`` limits the dialects served (names from ``acshim.patching.DIALECTS``, default
-    all). ``transformers`` hands HF's checkpointing entry points to ``acshim.hf`` (when it provides
-    ``install``; it does not import transformers); ``hf=True`` also calls
-    ``acshim.patch_transformers()`` so every HF model is checkpointed automatically, at
-    ``import transformers`` if that has not happened yet.
+    ``dialects`` limits the dialects served (a name or a list of names from
+    ``acshim.patching.DIALECTS``; default all). ``transformers`` hands HF's checkpointing entry
+    points to ``acshim.hf`` (when it provides ``install``; it does not import transformers);
+    ``hf=True`` also calls ``acshim.patch_transformers()`` so every HF model is checkpointed
+    automatically, at ``import transformers`` if that has not happened yet.
 
     Raises ``PatchError`` (or the import error of a broken facade) after undoing everything it
     had changed. Calling it again while installed returns the current installation unchanged;
     call ``uninstall()`` first to change options.
     """
     global _current
+    chosen = _chosen_dialects(dialects)
+    for name, value in (("hf", hf), ("transformers", transformers)):
+        if not isinstance(value, bool):
+            raise TypeError(f"install: {name} must be True or False, got {value!r}")
     with _lock:
         if _current is not None:
             return _current
-        chosen = [d if isinstance(d, Dialect) else dialect_named(d) for d in dialects] if dialects is not None else list(DIALECTS)
         installation = Installation()
         try:
             _install_dialects(installation, chosen)
@@ -101,6 +104,28 @@ def install(*, dialects: Iterable[str | Dialect] | None = None, hf: bool = False
             raise
         _current = installation
         return installation
+
+
+def _chosen_dialects(dialects: Iterable[str | Dialect] | str | Dialect | None) -> list[Dialect]:
+    """The dialects ``install(dialects=...)`` names: None is all; a bare name or ``Dialect`` is one."""
+    if dialects is None:
+        return list(DIALECTS)
+    if isinstance(dialects, (str, Dialect)):
+        dialects = [dialects]
+    try:
+        items = list(dialects)
+    except TypeError:
+        raise TypeError(f"install: dialects must be a dialect name or a list of them (e.g. ['deepspeed', 'torch']), "
+                        f"got {dialects!r}") from None
+    chosen = []
+    for item in items:
+        if isinstance(item, Dialect):
+            chosen.append(item)
+        elif isinstance(item, str):
+            chosen.append(dialect_named(item))
+        else:
+            raise TypeError(f"install: dialects must hold dialect names (strings), got {item!r}")
+    return chosen
 
 
 def uninstall() -> None:

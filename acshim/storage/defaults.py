@@ -7,6 +7,7 @@ option they are not given from here.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, replace
 
@@ -45,6 +46,21 @@ def validate(storage: str, prefetch: int, min_bytes: int) -> None:
         raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
 
 
+def check_directory_argument(directory: object) -> None:
+    """``directory`` must be the path (str or ``os.PathLike``) of an existing writable directory."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path (str or os.PathLike) or None, got {directory!r}")
+    from .disk import check_directory
+
+    check_directory(os.fspath(directory))
+
+
+def check_flag(name: str, value: object, meaning: str) -> None:
+    """``value`` must be True, False or None (``meaning`` says what None does)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None ({meaning}), got {value!r}")
+
+
 _lock = threading.Lock()
 _current = StorageDefaults()
 
@@ -59,6 +75,12 @@ def set_defaults(**changes: object) -> StorageDefaults:
     previous ones so a caller can restore them with ``set_defaults(**vars(previous))``.
     Unknown names raise ``TypeError``; bad values ``ValueError``."""
     global _current
+    unknown = sorted(set(changes) - set(StorageDefaults.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"set_defaults: unknown option(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(StorageDefaults.__dataclass_fields__)}")
+    if changes.get("directory") is not None:  # checked when given, not each time other defaults change
+        check_directory_argument(changes["directory"])
     with _lock:
         previous = _current
         _current = replace(previous, **changes)

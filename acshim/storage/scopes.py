@@ -12,7 +12,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..backends import Backend
 from . import native
-from .defaults import get_defaults, validate
+from .defaults import check_directory_argument, check_flag, get_defaults, validate
 from .disk import DiskTier, check_directory
 from .errors import OffloadIOError
 from .host import HostTier
@@ -25,6 +25,12 @@ class _Options:
 
     def __init__(self, storage: str | None, prefetch: int | None, directory: str | None, min_bytes: int | None,
                  direct: bool | None, native_io: bool | None, backend: Backend | None) -> None:
+        check_flag("direct", direct, "None: O_DIRECT where the filesystem allows it")
+        check_flag("native", native_io, "None: the C++ extension if it builds, else the Python path")
+        if backend is not None and not isinstance(backend, Backend):
+            raise TypeError(f"backend must be an acshim.backends.Backend or None, got {backend!r}")
+        if directory is not None:
+            check_directory_argument(directory)
         defaults = get_defaults()
         self.storage = defaults.storage if storage is None else storage
         self.prefetch = defaults.prefetch if prefetch is None else prefetch

@@ -82,7 +82,15 @@ def load_param_dict(config: Any) -> dict[str, Any]:
         return param_dict
     if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
         with open(config) as handle:
-            return json.load(handle, object_pairs_hook=_reject_duplicate_keys)
+            try:
+                loaded = json.load(handle, object_pairs_hook=_reject_duplicate_keys)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"DeepSpeed config {os.fspath(config)!r} is not valid JSON: {error}; fix the file "
+                                 "or pass the config as a dict") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"DeepSpeed config {os.fspath(config)!r} must hold a JSON object "
+                             f"({{\"activation_checkpointing\": {{...}}}}), got a {type(loaded).__name__}")
+        return loaded
     try:
         decoded = base64.urlsafe_b64decode(config).decode("utf-8")
         return json.loads(decoded, object_pairs_hook=_reject_duplicate_keys)
