@@ -36,8 +36,19 @@ PATCHED_NAMES = (
     "set_num_layers",
 )
 
+UPSTREAM_OFFLOAD = "deepspeed.runtime.activation_checkpointing.offload_activations"
+FACADE_OFFLOAD = "acshim.facades.deepspeed.runtime.activation_checkpointing.offload_activations"
+OFFLOAD_NAMES = (
+    "CheckpointActivationOffloadStats",
+    "CheckpointHiddenStatesOffload",
+    "get_checkpoint_hidden_states_offloading_ctx_manager",
+    "patch_gradient_checkpointing_layer_marker",
+)
+"""Hidden-state offload (DeepSpeed 0.19): replaced whole by the facade's objects, which run on
+acshim's storage tier (upstream's own ``cpu_checkpointing`` engine is left to ``checkpointing``)."""
+
 ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     (UPSTREAM_CHECKPOINTING, name, f"acshim.facades.deepspeed._upstream.{name}") for name in PATCHED_NAMES
-]
+] + [(UPSTREAM_OFFLOAD, name, f"{FACADE_OFFLOAD}.{name}") for name in OFFLOAD_NAMES]
 
 __all__ = ["ACSHIM_PATCHES", "checkpointing"]
