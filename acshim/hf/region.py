@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 from ..apply import build_options
 from ..options import DETERMINISM_CHECKS, RegionOptions
 from ..region import run_region
+from ..state import state
 from ..wrap import CheckpointedForward, checkpoint_module, checkpointed_forward_of
 from .caching import checkpointing_active, drop_cache_kwargs
 
@@ -80,7 +82,8 @@ class HFBlockForward(CheckpointedForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         forward = self.plain_forward()
-        if not checkpointing_active(module) or getattr(module, "gradient_checkpointing", False) is True:
+        if not checkpointing_active(module) or getattr(module, "gradient_checkpointing", False) is True \
+                or _inside_another_region():
             return forward(*args, **kwargs)
         return run_region(forward, args, drop_cache_kwargs(module, kwargs), self.options)
 
@@ -126,6 +129,25 @@ def _owner(function: Callable[..., Any]) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
+def _inside_another_region() -> bool:
+    """Whether a region (another dialect's wrapper around this block: torch's or Accelerate's
+    activation checkpointing on top of ``gradient_checkpointing_enable()``) is running its forward
+    or recompute. The block then runs plainly inside it: one region per block, so each block is
+    recomputed once, not twice (a nested region recomputes again in the outer one's backward)."""
+    if not (state.is_checkpointing or state.is_recomputing):
+        return False
+    _log_double_wrapping_once()
+    return True
+
+
+@functools.cache
+def _log_double_wrapping_once() -> None:
+    logging.getLogger("acshim").info(
+        "acshim: Hugging Face gradient checkpointing runs inside another checkpoint wrapper of the same blocks "
+        "(e.g. Accelerate's FSDP activation_checkpointing or apply_activation_checkpointing); keeping the outer "
+        "region only, so each block is recomputed once")
+
+
 class EngineCheckpointFunction:
     """A ``_gradient_checkpointing_func`` that runs the engine with fixed ``options``."""
 
@@ -134,7 +156,7 @@ class EngineCheckpointFunction:
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         owner = _owner(function)
-        if owner is not None and getattr(owner, SKIP_ATTRIBUTE, False):
+        if owner is not None and getattr(owner, SKIP_ATTRIBUTE, False) or _inside_another_region():
             return function(*args, **kwargs)
         target, args, kwargs = _unwrap(function, args, kwargs)
         return run_region(target, args, kwargs, self.options)

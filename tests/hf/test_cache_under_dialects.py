@@ -63,10 +63,17 @@ def _deepspeed(model: nn.Module) -> None:
     """Megatron style: each block's forward calls ``deepspeed.checkpointing.checkpoint``."""
     from acshim.facades import deepspeed
 
+    # DeepSpeed's checkpoint returns a one-element output unwrapped (upstream's rule), and GPT-2's
+    # block returns a 1-tuple in transformers 4.x, so a Megatron-style wrapper puts it back.
+    returns_tuple = int(transformers.__version__.split(".")[0]) < 5
     for block in model.transformer.h:
         forward = block.forward
-        block.forward = lambda *args, _forward=forward, **kwargs: deepspeed.checkpointing.checkpoint(
-            _forward, *args, **kwargs)
+        block.forward = lambda *args, _forward=forward, **kwargs: _retupled(deepspeed.checkpointing.checkpoint(
+            _forward, *args, **kwargs), returns_tuple)
+
+
+def _retupled(output: Any, returns_tuple: bool) -> Any:
+    return (output,) if returns_tuple and isinstance(output, torch.Tensor) else output
 
 
 def _apply(reentrant: bool) -> Callable[[nn.Module], None]:
