@@ -3,6 +3,7 @@ model parallelism, PyTorch's checkpoint_wrapper, Modalities and Hugging Face."""
 
 from __future__ import annotations
 
+from . import _quiet_torch  # noqa: F401  (first: torch imported without its NumPy-missing warning)
 from ._source_layout import map_source_tree_subpackages
 from .apply import apply_checkpointing, build_options, checkpointed_modules, remove_checkpointing
 from .blocks import find_blocks

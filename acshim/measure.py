@@ -10,7 +10,7 @@ and attributes each storage to the block whose forward created it. Parameters, b
 step's inputs are excluded: they are held whether or not anything is checkpointed.
 
 Written by hand: torch's CPU allocator keeps no statistics and the profiler records almost nothing on
-CPU (see shared/MEASURING.md); storage reference counts are exact.
+CPU (see docs/measuring.md); storage reference counts are exact.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One training step of a GPT-2-shaped model (default 8 layers, width 512, seq 256,
 on), run side by side in one process, interleaved, with the order rotated every round; reports the
 median step time of each configuration, the median of per-round ratios, the memory held for
 backward (acshim.measure_memory, by storage) and, with --rss, held/peak RSS measured in a fresh
-subprocess per configuration (shared/MEASURING.md). Target: acshim / torch step time <= 1.02 with
+subprocess per configuration (docs/measuring.md). Target: acshim / torch step time <= 1.02 with
 equal held memory.
 
     python benchmarks/bench_checkpoint.py            # full size (~2-4 minutes on 2 cores)

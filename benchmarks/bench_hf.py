@@ -2,7 +2,7 @@
 
 For GPT-2 and Llama shapes (8 layers, width 512, sequence 256, batch 2, dropout on): memory held
 for backward when forward ends (acshim.measure.measure_memory, counted per storage) and training
-step time. Following shared/MEASURING.md: one process, one torch thread, configurations
+step time. Following docs/measuring.md: one process, one torch thread, configurations
 interleaved with their order rotated each round, median of per-round ratios reported.
 
     python benchmarks/bench_hf.py [--rounds 5] [--layers 8] [--width 512] [--seq 256] [--batch 2]

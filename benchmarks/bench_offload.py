@@ -2,7 +2,7 @@
 
 1. Disk tier on a GPT-2-shaped model (default 8 layers x 512, batch 2 x 256, dropout on; the
    activations saved for backward are ~340 MB): peak RSS of one training step, each configuration in
-   a fresh subprocess (shared/MEASURING.md: MALLOC_MMAP_THRESHOLD_=65536, malloc_trim, clear_refs,
+   a fresh subprocess (docs/measuring.md: MALLOC_MMAP_THRESHOLD_=65536, malloc_trim, clear_refs,
    VmHWM), for in-memory vs ``acshim.offload(storage="disk")``; gradients compared bitwise.
 2. Step time: in-memory, disk with prefetch, disk without prefetch, interleaved in one process with
    the order rotated each round; medians of per-round ratios.

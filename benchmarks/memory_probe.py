@@ -1,4 +1,4 @@
-"""Peak-RSS probe for one training step in a fresh subprocess (method of shared/MEASURING.md).
+"""Peak-RSS probe for one training step in a fresh subprocess (method of docs/measuring.md).
 
 The parent calls ``probe(module_path, builder_name, argv)``; the child imports the file, calls
 ``builder(argv)`` to get ``(model, forward)`` where ``forward() -> loss`` runs one forward, runs one warm-up

@@ -4,6 +4,7 @@ acshim._csrc, declares the console script, and imports without the source tree."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -34,3 +35,59 @@ def test_wheel_ships_backends_csrc_and_console_script(tmp_path: Path) -> None:
                             check=True)
     package_file, backends_file = result.stdout.split()
     assert package_file.startswith(str(target)) and backends_file.startswith(str(target / "acshim" / "backends"))
+
+
+def _site_without_numpy(tmp_path: Path) -> Path:
+    """A copy (by symlinks) of the interpreter's site-packages without NumPy: what a fresh venv with
+    only ``torch==2.13.0`` and acshim installed sees."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    farm = tmp_path / "site-without-numpy"
+    farm.mkdir()
+    for entry in site.iterdir():
+        if entry.name.split("-")[0].split(".")[0] in ("numpy", "acshim") or entry.name.startswith("__editable__"):
+            continue
+        (farm / entry.name).symlink_to(entry)
+    return farm
+
+
+def test_demo_prints_no_numpy_warning_when_numpy_is_absent(tmp_path: Path) -> None:
+    farm = _site_without_numpy(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
+    prefix = f"import sys; sys.path[:0] = [{str(farm)!r}, {str(ROOT)!r}]; "
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        # -S: site-packages (and its .pth files) only through the NumPy-free copy
+        return subprocess.run([sys.executable, "-S", "-W", "default", "-c", prefix + code], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+
+    control = run("import torch; import importlib.util; assert importlib.util.find_spec('numpy') is None")
+    assert control.returncode == 0, control.stderr
+    assert "Failed to initialize NumPy" in control.stderr  # torch alone warns: the environment has no NumPy
+
+    demo = run("from acshim.cli import main; sys.exit(main(['demo', '--layers', '2', '--width', '32', '--seq', '16', "
+               "'--batch', '2']))")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "bitwise identical to the run without checkpointing: yes" in demo.stdout
+    assert "NumPy" not in demo.stderr and "Warning" not in demo.stderr, demo.stderr
+
+
+def test_readme_and_docs_link_only_to_files_in_the_repository() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        assert "shared/" not in text, f"{page.name} points outside the repository (shared/...)"
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not in the repository"
+    assert "(docs/measuring.md)" in (ROOT / "README.md").read_text()
+
+
+def test_readme_set_up_creates_a_virtual_environment_and_says_how_long_the_tests_take() -> None:
+    text = (ROOT / "README.md").read_text()
+    set_up = text[text.index("## Set-up on a fresh machine"):text.index("## The engine in five calls")]
+    assert "python3 -m venv .venv && . .venv/bin/activate" in set_up
+    assert set_up.index("python3 -m venv") < set_up.index("pip install torch")
+    assert re.search(r"about \d+ minutes with `pytest -n 2`", set_up)

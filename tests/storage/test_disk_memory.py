@@ -1,5 +1,5 @@
 """The disk tier really frees memory: peak RSS of a GPT-2-shaped training step, measured in a fresh
-subprocess per shared/MEASURING.md (the benchmark's probe), drops by at least 60% of the
+subprocess per docs/measuring.md (the benchmark's probe), drops by at least 60% of the
 activation bytes. benchmarks/bench_offload.py runs the same at full size."""
 
 from __future__ import annotations

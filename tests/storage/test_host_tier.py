@@ -1,5 +1,5 @@
 """The host tier on CPU does nothing and costs nothing (torch's save_on_cpu copies CPU tensors to
-the CPU: +34% RSS held on GPT-2 here, see shared/MEASURING.md); measured, not assumed."""
+the CPU: +34% RSS held on GPT-2 here, see docs/measuring.md); measured, not assumed."""
 
 from __future__ import annotations
 
