@@ -85,6 +85,9 @@ class OffloadActivations:
         OffloadIOError: (an ``OSError``, errno kept) a disk write or read failed, e.g. the disk is
             full; raised in the step where it happened, at the latest when the block exits; the
             tensor concerned is kept in memory.
+        RuntimeError: in backward, torch's own "modified by an inplace operation" error when a saved
+            tensor was changed in place after forward (torch skips that check under hooks; this
+            scope does it, whether the tensor stayed, moved or was already fetched back).
 
     Example:
         >>> with acshim.offload(storage="disk", prefetch=2):
