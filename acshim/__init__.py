@@ -27,6 +27,8 @@ _LAZY = {
     "patch_transformers": ("acshim.hf", "patch_transformers"),
     "unpatch_transformers": ("acshim.hf", "unpatch_transformers"),
     "offload": ("acshim.storage", "offload"),
+    "plan": ("acshim.planner", "plan"),
+    "Plan": ("acshim.planner", "Plan"),
 }
 
 
@@ -52,4 +54,5 @@ __all__ = [
     "checkpoint_module", "checkpointed_modules", "disable_checkpointing", "find_blocks", "get_rng_tracker",
     "is_checkpointing", "is_recomputing", "measure_memory", "remove_checkpointing", "run_region",
     "uncheckpoint_module", "install", "uninstall", "patch_transformers", "unpatch_transformers", "offload",
+    "plan", "Plan",
 ]

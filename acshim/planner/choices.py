@@ -1,0 +1,110 @@
+"""The per-block choices the planner decides between, and how each one is installed on a block.
+
+Every choice except ``keep`` installs a ``CheckpointedForward`` (or a subclass) as the block's
+instance ``forward`` and marks it as ``apply_checkpointing``'s, so ``acshim.remove_checkpointing``
+undoes a plan like any other policy.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..apply import _APPLIED
+from ..options import RegionOptions
+from ..selective import DEFAULT_SAVE_OPS, save_ops
+from ..wrap import (
+    _MISSING,
+    CheckpointedForward,
+    checkpoint_module,
+    checkpointed_forward_of,
+    uncheckpoint_module,
+)
+
+BASE_CHOICES = ("keep", "selective", "selective-alt", "recompute", "offload", "recompute+offload")
+"""``keep``: no checkpointing. ``selective``: recompute all but matmul/attention outputs.
+``selective-alt``: as ``selective`` but only every other matmul is saved. ``recompute``: full
+recompute from the block's input. ``offload``: no recompute, every saved tensor of the block goes to
+the storage tier (prefetched back). ``recompute+offload``: full recompute, the block's input goes
+to the storage tier."""
+
+DESCRIPTIONS = {
+    "keep": "no checkpointing",
+    "selective": "recompute, save matmul/attention outputs",
+    "selective-alt": "recompute, save every other matmul",
+    "recompute": "full recompute",
+    "offload": "offload saved tensors",
+    "recompute+offload": "full recompute, input offloaded",
+}
+
+
+def expand_choices(choices: tuple[str, ...] | list[str], tiers: tuple[str, ...]) -> list[str]:
+    """Concrete choice names: offload choices get one entry per tier (``offload:disk``)."""
+    out: list[str] = []
+    for choice in choices:
+        base = choice.split(":")[0]
+        if base not in BASE_CHOICES:
+            raise ValueError(f"unknown planner choice {choice!r}; known: {', '.join(BASE_CHOICES)}")
+        if base.endswith("offload"):
+            out += [choice] if ":" in choice else [f"{base}:{tier}" for tier in tiers]
+        else:
+            out.append(base)
+    return list(dict.fromkeys(out))
+
+
+class OffloadedForward(CheckpointedForward):
+    """The instance ``forward`` of a block whose saved tensors go to a storage tier (no recompute)."""
+
+    def __init__(self, module: nn.Module, storage: str, prefetch: int, replaced: Any = _MISSING) -> None:
+        from ..storage import OffloadActivations
+
+        super().__init__(module, RegionOptions(), replaced)
+        self.storage, self.prefetch = storage, prefetch
+        self.scope = OffloadActivations(storage=storage, prefetch=prefetch)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.plain_forward()(*args, **kwargs)
+        with self.scope:
+            return self.plain_forward()(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedForward:
+        new_module = copy.deepcopy(self.module, memo)
+        replaced = self.replaced if self.replaced is _MISSING else copy.deepcopy(self.replaced, memo)
+        return OffloadedForward(new_module, self.storage, self.prefetch, replaced)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (OffloadedForward, (self.module, self.storage, self.prefetch, self.replaced))
+
+
+def install(block: nn.Module, choice: str, prefetch: int = 2) -> None:
+    """Make ``block`` run as ``choice`` (in place; ``keep`` removes a region the planner installed)."""
+    base, _, tier = choice.partition(":")
+    existing = checkpointed_forward_of(block)
+    if existing is not None:
+        block.__dict__.pop(_APPLIED, None)
+        uncheckpoint_module(block)
+    if base == "keep":
+        return
+    if base == "offload":
+        replaced = block.__dict__.get("forward", _MISSING)
+        block.forward = OffloadedForward(block, tier, prefetch, replaced)
+    else:
+        options = RegionOptions()
+        if base == "selective":
+            options = options.replace(context_fn=save_ops())
+        elif base == "selective-alt":
+            alternate = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            options = options.replace(context_fn=save_ops(DEFAULT_SAVE_OPS, recompute_every_other=alternate))
+        elif base == "recompute+offload":
+            from ..storage import boundary_offload
+
+            # One session per block and no horizon: what the block's profile measured alone.
+            options = options.replace(saved_tensors_scope=boundary_offload(storage=tier, prefetch=0))
+        elif base != "recompute":
+            raise ValueError(f"unknown planner choice {choice!r}")
+        checkpoint_module(block, options)
+    block.__dict__[_APPLIED] = block.__dict__["forward"]

@@ -1,0 +1,299 @@
+"""Measure each block once per choice, without ever running the whole model unchecked.
+
+1. One step with every block fully recomputed, under ``LiveBytes``: it captures each block's inputs
+   (copies made outside the tracker) and gives the memory and time of everything outside the blocks
+   (embeddings, head, loss). A second, untracked, step of the same configuration gives its time.
+2. Each block alone, per choice, on its captured input: bytes held when its forward ends, the
+   transient above that during its recompute and backward, and its forward+backward time (fastest of
+   ``repeats`` untracked runs). Blocks with the same class, parameter shapes and input shapes share
+   one measurement.
+The model's gradients, RNG state and forwards are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .. import structures
+from ..apply import _APPLIED
+from ..blocks import find_blocks
+from ..measure import default_loss
+from .choices import install
+from .tracker import LiveBytes, excluded_keys, grad_keys
+
+METHOD = ("measured block by block: one step with every block fully recomputed captured each block's input, "
+          "then each block ran alone per choice")
+
+
+@dataclass
+class BlockProfile:
+    """Measurements of one block: per choice, bytes held after forward, transient bytes above that
+    during its backward (recompute included), and forward+backward seconds."""
+
+    name: str
+    held: dict[str, int]
+    transient: dict[str, int]
+    seconds: dict[str, float]
+    shared_with: str | None = None
+
+
+@dataclass
+class Profile:
+    """Everything the solver needs, and how it was measured."""
+
+    blocks: list[BlockProfile]
+    choices: list[str]
+    other_held: int
+    other_transient: int
+    other_seconds: float
+    signature: str
+    prefetch: int
+    method: str = METHOD
+    recompute_step: dict[str, float] = field(default_factory=dict)
+
+    def peak_of(self, assignment: list[str]) -> int:
+        """Predicted peak: held after forward plus the largest transient."""
+        held = self.other_held + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
+        return held + max([self.other_transient] + [b.transient[c] for b, c in zip(self.blocks, assignment, strict=True)])
+
+    def held_of(self, assignment: list[str]) -> int:
+        return self.other_held + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
+
+    def seconds_of(self, assignment: list[str]) -> float:
+        return self.other_seconds + sum(b.seconds[c] for b, c in zip(self.blocks, assignment, strict=True))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"blocks": [vars(b) for b in self.blocks], "choices": self.choices, "other_held": self.other_held,
+                "other_transient": self.other_transient, "other_seconds": self.other_seconds,
+                "signature": self.signature, "prefetch": self.prefetch, "method": self.method,
+                "recompute_step": self.recompute_step}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        data = dict(data)
+        data["blocks"] = [BlockProfile(**b) for b in data["blocks"]]
+        return cls(**data)
+
+
+def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` from a tensor, a tuple/list of positional inputs or a dict of keywords."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def model_signature(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str:
+    """A digest of the model's blocks and parameter names and shapes (plans are tied to it)."""
+    digest = hashlib.sha256()
+    for name, block in blocks:
+        digest.update(f"{name}:{type(block).__qualname__};".encode())
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+class ModelState:
+    """Snapshot of what profiling touches: block forwards, parameter gradients, RNG states."""
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
+        self.model, self.blocks = model, blocks
+        self.forwards = [(block.__dict__.get("forward"), block.__dict__.get(_APPLIED)) for _, block in blocks]
+        self.grads = [(p, p.grad) for p in model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.training = model.training
+
+    def restore(self) -> None:
+        for (_, block), (forward, applied) in zip(self.blocks, self.forwards, strict=True):
+            for key, value in (("forward", forward), (_APPLIED, applied)):
+                if value is None:
+                    block.__dict__.pop(key, None)
+                else:
+                    block.__dict__[key] = value
+        for param, grad in self.grads:
+            param.grad = grad
+        torch.set_rng_state(self.rng)
+        self.model.train(self.training)
+
+
+
+def _map(value: Any) -> Any:
+    leaves, rebuild = structures.flatten(value)
+    return rebuild([leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+
+
+def _grad_flags(value: Any) -> list[bool]:
+    leaves, _ = structures.flatten(value)
+    return [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
+
+
+def run_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+             tracker: LiveBytes | None = None) -> None:
+    """One forward and backward; with ``tracker``, marks ``forward`` when forward ends."""
+    args, kwargs = split_inputs(inputs)
+    output = model(*args, **kwargs)
+    loss = (loss_fn or default_loss)(output)
+    del output
+    if tracker is not None:
+        tracker.mark("forward")
+    loss.backward()
+    del loss
+
+
+def measure_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None
+                 ) -> tuple[int, int]:
+    """``(held after forward, peak)`` activation bytes of one training step of ``model`` as it is
+    (parameter gradients and the inputs excluded). Gradients accumulate as in a real step."""
+    tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)))
+    with tracker:
+        run_step(model, inputs, loss_fn, tracker)
+        tracker.mark("end")
+    series = tracker.series(grad_keys(model))
+    tracker.release()
+    return series[tracker.marks["forward"] - 1] if tracker.marks["forward"] else 0, max(series, default=0)
+
+
+def _block_step(block: nn.Module, args: Any, kwargs: Any, flags: list[bool], tracker: LiveBytes | None) -> None:
+    leaves, rebuild = structures.flatten((args, kwargs))
+    fresh = [leaf.detach().clone().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
+             for leaf, flag in zip(leaves, flags, strict=True)]
+    call_args, call_kwargs = rebuild(fresh)
+    del fresh
+    output = block(*call_args, **call_kwargs)
+    del call_args, call_kwargs
+    outs = [leaf for leaf in structures.flatten(output)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
+    del output
+    with _disable_current_modes():
+        generator = torch.Generator().manual_seed(0)
+        cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device) for o in outs]
+    loss = sum((o * c).sum() for o, c in zip(outs, cotangents, strict=True))
+    del outs
+    if tracker is not None:
+        tracker.mark("forward")
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    del loss
+
+
+def _block_key(block: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
+    leaves, _ = structures.flatten((args, kwargs))
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)[:64] for t in leaves)
+    params = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+    return type(block), params, shapes
+
+
+def profile_model(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None,
+                  choices: list[str], prefetch: int, repeats: int = 2,
+                  blocks: list[tuple[str, nn.Module]] | None = None) -> Profile:
+    """Measure ``model``'s blocks per choice (see the module docstring)."""
+    blocks = blocks if blocks is not None else find_blocks(model)
+    if not blocks:
+        raise ValueError(f"acshim.plan: found no repeated blocks in {type(model).__name__} to plan for")
+    state = ModelState(model, blocks)
+    model.train()
+    try:
+        return _profile(model, inputs, loss_fn, choices, prefetch, repeats, blocks)
+    finally:
+        state.restore()
+
+
+def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None, choices: list[str],
+             prefetch: int, repeats: int, blocks: list[tuple[str, nn.Module]]) -> Profile:
+    captured: dict[str, tuple[Any, Any, list[bool]]] = {}
+    tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)))
+    handles = []
+
+    def capture(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if name not in captured and torch.is_grad_enabled():
+                captured[name] = (*_map_untracked((args, kwargs)), _grad_flags((args, kwargs)))
+        return hook
+
+    def head_done(module: nn.Module, args: Any, output: Any) -> None:
+        if "forward" in tracker.marks or not torch.is_grad_enabled():
+            return
+        for leaf in structures.flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(lambda grad: tracker.mark("head") if "head" not in tracker.marks else None)
+                break
+
+    for name, block in blocks:
+        install(block, "recompute")
+        handles.append(block.register_forward_pre_hook(capture(name), with_kwargs=True))
+    handles.append(blocks[-1][1].register_forward_hook(head_done))
+    model.zero_grad(set_to_none=True)
+    try:
+        with tracker:
+            run_step(model, inputs, loss_fn, tracker)
+            tracker.mark("end")
+    finally:
+        for handle in handles:
+            handle.remove()
+    series = tracker.series(grad_keys(model))
+    tracker.release()
+    held_full = series[tracker.marks["forward"] - 1]
+    head_end = tracker.marks.get("head", len(series))
+    other_peak = max(series[:max(head_end, tracker.marks["forward"])])
+    model.zero_grad(set_to_none=True)
+    step_seconds = _timed(lambda: run_step(model, inputs, loss_fn), repeats)
+    model.zero_grad(set_to_none=True)
+
+    profiles: list[BlockProfile] = []
+    measured: dict[tuple[Any, ...], BlockProfile] = {}
+    for name, block in blocks:
+        if name not in captured:
+            raise ValueError(f"acshim.plan: block {name} did not run in the model's forward")
+        args, kwargs, flags = captured[name]
+        key = _block_key(block, args, kwargs)
+        if key in measured:
+            first = measured[key]
+            profiles.append(BlockProfile(name, dict(first.held), dict(first.transient), dict(first.seconds), first.name))
+            continue
+        held, transient, seconds = {}, {}, {}
+        for choice in choices:
+            install(block, choice, prefetch)
+            block.zero_grad(set_to_none=True)
+            block_tracker = LiveBytes(excluded_keys(block, (args, kwargs)))
+            with block_tracker:
+                _block_step(block, args, kwargs, flags, block_tracker)
+                block_tracker.mark("end")
+            block_series = block_tracker.series(grad_keys(block))
+            block_tracker.release()
+            held[choice] = block_series[block_tracker.marks["forward"] - 1]
+            transient[choice] = max(block_series) - held[choice]
+            seconds[choice] = _timed(functools.partial(_block_step, block, args, kwargs, flags, None), repeats)
+            block.zero_grad(set_to_none=True)
+        install(block, "recompute")
+        measured[key] = BlockProfile(name, held, transient, seconds)
+        profiles.append(measured[key])
+    other_held = max(0, held_full - sum(p.held["recompute"] for p in profiles))
+    other_seconds = max(0.0, step_seconds - sum(p.seconds["recompute"] for p in profiles))
+    return Profile(blocks=profiles, choices=list(choices), other_held=other_held,
+                   other_transient=max(0, other_peak - held_full), other_seconds=other_seconds,
+                   signature=model_signature(model, blocks), prefetch=prefetch,
+                   recompute_step={"held": held_full, "peak": max(series), "seconds": step_seconds})
+
+
+def _map_untracked(value: Any) -> Any:
+    with _disable_current_modes():
+        return _map(value)
+
+
+def _timed(function: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best

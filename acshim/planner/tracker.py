@@ -1,0 +1,119 @@
+"""Live activation bytes over one step, op by op, and their high-water mark.
+
+A ``TorchDispatchMode`` keeps a handle on every storage an operator creates or touches (except
+parameters, buffers and the caller's inputs) and, after each operator, drops the handles nobody else
+references any more (storage reference count of one: ours). The running sum is the step's live
+activation memory. Storages that are still alive at the end as parameter gradients are taken out of
+the whole timeline afterwards: gradients are not activations. Exact on CPU, where the allocator
+keeps no statistics (shared/MEASURING.md). Written by hand for that reason.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import structures
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
+    """``(id, storage)`` of a strided tensor's storage, else None."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.device.type == "meta":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage._cdata, storage
+
+
+class LiveBytes(TorchDispatchMode):
+    """Track live activation bytes; ``mark()`` records the current op index under a name."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self._gc_was_enabled = False
+        self.excluded = excluded
+        self.live: dict[int, tuple[int, torch.UntypedStorage]] = {}  # storage address -> (serial, storage)
+        self.events: list[tuple[int, int, int]] = []  # (op index, serial, +bytes or -bytes)
+        self.serial = 0
+        self.ops = 0
+        self.marks: dict[str, int] = {}
+
+    def _track(self, value: Any) -> None:
+        leaves, _ = structures.flatten(value)
+        for leaf in leaves:
+            found = storage_key(leaf) if isinstance(leaf, torch.Tensor) else None
+            if found and found[0] not in self.excluded and found[0] not in self.live:
+                self.serial += 1  # addresses are reused once freed: events name storages by serial
+                self.live[found[0]] = (self.serial, found[1])
+                self.events.append((self.ops, self.serial, found[1].nbytes()))
+
+    def sweep(self) -> None:
+        """Forget storages only this tracker still references."""
+        dead = [key for key in self.live if torch._C._storage_Use_Count(key) <= 1]
+        for key in dead:
+            serial, storage = self.live.pop(key)
+            self.events.append((self.ops, serial, -storage.nbytes()))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._track((args, kwargs))
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self._track(out)
+        self.sweep()
+        return out
+
+    def __enter__(self) -> LiveBytes:
+        # Collect earlier garbage, then keep the collector off: what the step frees by reference count
+        # is freed at once, and cyclic garbage is counted until the step ends (repeatable, an upper bound).
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)
+        if self._gc_was_enabled:
+            gc.enable()
+
+    def mark(self, name: str) -> None:
+        self.sweep()
+        self.marks[name] = len(self.events)
+
+    def release(self) -> None:
+        self.live.clear()
+
+    def series(self, ignore: set[int]) -> list[int]:
+        """Live bytes after each event, leaving out the still-live storages whose addresses are in
+        ``ignore`` (call before ``release``)."""
+        skipped = {self.live[key][0] for key in ignore if key in self.live}
+        total, out = 0, []
+        for _, serial, delta in self.events:
+            if serial not in skipped:
+                total += delta
+            out.append(total)
+        return out
+
+
+def excluded_keys(module: torch.nn.Module, *extra: Any) -> set[int]:
+    """Storage ids of ``module``'s parameters and buffers and of the tensors in ``extra``."""
+    keys = set()
+    leaves, _ = structures.flatten(extra)
+    for tensor in [*module.parameters(), *module.buffers(), *leaves]:
+        found = storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
+        if found:
+            keys.add(found[0])
+    return keys
+
+
+def grad_keys(module: torch.nn.Module) -> set[int]:
+    """Storage ids of the parameter gradients of ``module``."""
+    keys = set()
+    for param in module.parameters():
+        if param.grad is not None and (found := storage_key(param.grad)):
+            keys.add(found[0])
+    return keys
