@@ -1,7 +1,7 @@
 """Benchmark: the memory-budget planner (acshim.plan) beside the fixed recipes.
 
-One GPT-2-shaped model (default 8 layers x 512, seq 256, batch 2, vocab 512 as benchmarks/bench_checkpoint.py, dropout on), one
-process, configurations interleaved with the order rotated every round. Per configuration: bytes
+One GPT-2-shaped model (default 8 layers x 512, seq 256, batch 2, vocab 512 as in
+benchmarks/bench_checkpoint.py, dropout on), one process, configurations interleaved with the order rotated every round. Per configuration: bytes
 held for backward when forward ends and the step's peak activation memory (acshim.planner.measure_step:
 live storages op by op, parameter gradients and inputs excluded), as ratios of no checkpointing's,
 and the median of per-round step-time ratios. Configurations: none, full recompute per block,

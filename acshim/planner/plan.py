@@ -155,7 +155,7 @@ def _reference(profile: Profile) -> tuple[int, float]:
 def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, choices: Sequence[str] = BASE_CHOICES,
          storage: str | Sequence[str] | None = None, prefetch: int = 2, repeats: int = 2, verify: bool = True,
-         retries: int = 4) -> Plan:
+         retries: int = 4, reuse: Plan | None = None) -> Plan:
     """Choose, per block of ``model``, between keeping, selective recompute, full recompute and
     offload so that one training step on ``example_batch`` peaks at most ``budget`` bytes of
     activation memory, as fast as the measurements predict.
@@ -167,7 +167,8 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     With ``verify`` the plan is applied once and measured; a plan measured over budget is re-solved
     under a tighter budget, and never returned over budget. Raises ``ValueError`` for a budget below
     the least achievable peak (naming it) or a model without repeated blocks. The model is left as
-    it was (apply the plan with ``plan.apply(model)``).
+    it was (apply the plan with ``plan.apply(model)``). ``reuse``: an earlier plan of this model
+    whose profile is solved again for this budget instead of profiling anew.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"acshim.plan needs an nn.Module, got {type(model).__name__}")
@@ -188,8 +189,12 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     concrete = expand_choices(tuple(choices), tiers)
     if "recompute" not in concrete:
         concrete.append("recompute")  # profiling captures inputs under full recompute
-    profile = profile_model(model, example_batch, loss_fn=loss_fn, choices=concrete, prefetch=prefetch,
-                            repeats=repeats, blocks=blocks)
+    if reuse is not None:
+        reuse._blocks_of(model)  # same model, else ValueError
+        profile = reuse.profile
+    else:
+        profile = profile_model(model, example_batch, loss_fn=loss_fn, choices=concrete, prefetch=prefetch,
+                                repeats=repeats, blocks=blocks)
     reference_peak, reference_seconds = _reference(profile)
     budget_bytes = parse_budget(budget, reference_peak or profile.recompute_step["peak"])
     notes = []

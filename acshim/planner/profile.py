@@ -61,9 +61,12 @@ class Profile:
     recompute_step: dict[str, float] = field(default_factory=dict)
 
     def peak_of(self, assignment: list[str]) -> int:
-        """Predicted peak: held after forward plus the largest transient."""
-        held = self.other_held + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
-        return held + max([self.other_transient] + [b.transient[c] for b, c in zip(self.blocks, assignment, strict=True)])
+        """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes."""
+        prefix, worst = 0, 0
+        for block, choice in zip(self.blocks, assignment, strict=True):
+            prefix += block.held[choice]
+            worst = max(worst, prefix + block.transient[choice])
+        return self.other_held + max(worst, prefix + self.other_transient)
 
     def held_of(self, assignment: list[str]) -> int:
         return self.other_held + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))

@@ -1,12 +1,18 @@
 """Exact choice per block: least predicted step time whose predicted peak fits the budget.
 
-Peak = bytes held when forward ends (outside the blocks plus each block's held bytes) + the largest
-transient (outside the blocks, or any block's recompute/backward). The max is handled exactly by
-enumerating its value: for each candidate transient cap T, only choices with transient <= T are
-allowed and the held bytes must fit in budget - other - T; a 0/1 knapsack by dynamic programming over
-blocks x held bytes (in units fixed by the profile, not by the budget, so a larger budget only ever
-adds feasible plans and the optimum's time never increases). Held bytes are rounded up to the unit:
-the prediction errs towards more memory.
+The peak is bounded from the block-by-block profile: while block i runs (its forward, or its
+recompute and backward) the blocks before it still hold what they saved and the blocks after it
+(already through backward) hold nothing, so
+    peak = other_held + max( sum_j held_j + other_transient,  max_i (sum_{j<=i} held_j + transient_i) )
+with ``transient_i`` the block's own high-water mark above its held bytes (incoming gradient and
+recompute included) and ``other_*`` everything outside the blocks (embeddings, head, loss). That is
+at most held-after-forward plus the largest transient (the simpler bound), and tighter.
+
+The max is handled exactly by dynamic programming over blocks x prefix held bytes: choosing block
+i's option is allowed only if prefix + held + transient fits, and the final prefix must leave room
+for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
+rounded up, so a larger budget only ever adds feasible plans: the optimum's time never increases,
+and the prediction errs towards more memory.
 """
 
 from __future__ import annotations
@@ -43,92 +49,88 @@ class BudgetTooSmall(ValueError):
 
 
 def unit_of(profile: Profile) -> int:
-    """Bytes per unit of the held axis for ``profile``."""
-    most = sum(max(b.held.values()) for b in profile.blocks)
+    """Bytes per unit of the memory axis for ``profile``."""
+    most = sum(max(b.held.values()) for b in profile.blocks) + max(
+        max(b.transient.values()) for b in profile.blocks)
     return max(1, math.ceil(most / UNITS))
 
 
-def minimum_peak(profile: Profile) -> int:
-    """The least predicted peak over all assignments (held rounded up as the solver counts it)."""
-    unit = unit_of(profile)
-    best = None
-    for cap in _caps(profile):
-        total = 0
-        for block in profile.blocks:
-            allowed = [math.ceil(block.held[c] / unit) for c in profile.choices if block.transient[c] <= cap]
-            if not allowed:
-                break
-            total += min(allowed)
-        else:
-            peak = profile.other_held + total * unit + cap
-            best = peak if best is None else min(best, peak)
-    assert best is not None
-    return best
+def _up(size: int, unit: int) -> int:
+    return -(-size // unit)
 
 
 def rounded_peak(profile: Profile, assignment: list[str]) -> int:
-    """The predicted peak of ``assignment`` as the solver counts it (held bytes rounded up)."""
+    """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up)."""
     unit = unit_of(profile)
-    held = sum(math.ceil(b.held[c] / unit) * unit for b, c in zip(profile.blocks, assignment, strict=True))
-    return profile.peak_of(assignment) - profile.held_of(assignment) + profile.other_held + held
+    prefix, worst = 0, 0
+    for block, choice in zip(profile.blocks, assignment, strict=True):
+        prefix += _up(block.held[choice], unit) * unit
+        worst = max(worst, prefix + _up(block.transient[choice], unit) * unit)
+    return profile.other_held + max(worst, prefix + profile.other_transient)
 
 
-def _caps(profile: Profile) -> list[int]:
-    values = {profile.other_transient}
-    values.update(t for b in profile.blocks for t in b.transient.values() if t >= profile.other_transient)
-    return sorted(values)
+def minimum_peak(profile: Profile) -> int:
+    """The least predicted peak over all assignments (bisection on the solver's feasibility)."""
+    low = profile.other_held + profile.other_transient
+    high = rounded_peak(profile, [min(profile.choices, key=lambda c, b=b: (b.held[c], b.transient[c]))
+                                  for b in profile.blocks])
+    high = max(high, low)
+    while low < high:
+        middle = (low + high) // 2
+        if _search(profile, middle) is None:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def _search(profile: Profile, budget: int) -> list[int] | None:
+    unit = unit_of(profile)
+    room = budget - profile.other_held
+    if room < profile.other_transient:
+        return None
+    size = room // unit
+    final = (room - profile.other_transient) // unit
+    held = np.array([[_up(b.held[c], unit) for c in profile.choices] for b in profile.blocks], dtype=np.int64)
+    transient = np.array([[_up(b.transient[c], unit) for c in profile.choices] for b in profile.blocks],
+                         dtype=np.int64)
+    seconds = np.array([[b.seconds[c] for c in profile.choices] for b in profile.blocks])
+    most = int(held.max(axis=1).sum())
+    size = min(size, most + int(transient.max()))
+    dp = np.full(size + 1, np.inf)
+    dp[0] = 0.0
+    picks = []
+    for block in range(held.shape[0]):
+        new = np.full(size + 1, np.inf)
+        arg = np.full(size + 1, -1, dtype=np.int64)
+        for choice in range(held.shape[1]):
+            weight, extra = int(held[block, choice]), int(transient[block, choice])
+            limit = size - weight - extra  # largest prefix before this block that still fits
+            if limit < 0:
+                continue
+            candidate = np.full(size + 1, np.inf)
+            candidate[weight:weight + limit + 1] = dp[:limit + 1] + seconds[block, choice]
+            better = candidate < new
+            new[better], arg[better] = candidate[better], choice
+        dp = new
+        picks.append(arg)
+    end = min(final, size)
+    if end < 0 or not np.isfinite(dp[:end + 1]).any():
+        return None
+    state = int(np.argmin(dp[:end + 1]))
+    chosen = []
+    for block in reversed(range(held.shape[0])):
+        choice = int(picks[block][state])
+        chosen.append(choice)
+        state -= int(held[block, choice])
+    return chosen[::-1]
 
 
 def solve(profile: Profile, budget: int) -> Solution:
     """The fastest assignment whose predicted peak is at most ``budget`` bytes (``BudgetTooSmall``
     naming the least achievable peak otherwise)."""
-    unit = unit_of(profile)
-    choices = profile.choices
-    weights = np.array([[math.ceil(b.held[c] / unit) for c in choices] for b in profile.blocks], dtype=np.int64)
-    seconds = np.array([[b.seconds[c] for c in choices] for b in profile.blocks])
-    transients = np.array([[b.transient[c] for c in choices] for b in profile.blocks], dtype=np.int64)
-    most = int(weights.max(axis=1).sum())
-    best: tuple[float, int, list[int]] | None = None
-    for cap in _caps(profile):
-        room = budget - profile.other_held - cap
-        if room < 0:
-            break
-        size = min(room // unit, most)
-        picked = _knapsack(weights, seconds, transients <= cap, size)
-        if picked is None:
-            continue
-        time = float(seconds[np.arange(len(picked)), picked].sum())
-        peak = profile.other_held + int(weights[np.arange(len(picked)), picked].sum()) * unit + cap
-        if best is None or (time, peak) < (best[0], best[1]):
-            best = (time, peak, picked)
-    if best is None:
+    picked = _search(profile, budget)
+    if picked is None:
         raise BudgetTooSmall(budget, minimum_peak(profile))
-    names = [choices[i] for i in best[2]]
-    return Solution(names, profile.held_of(names), profile.peak_of(names), profile.seconds_of(names))
-
-
-def _knapsack(weights: np.ndarray, seconds: np.ndarray, allowed: np.ndarray, size: int) -> list[int] | None:
-    """Least total seconds picking one choice per block with total weight <= size."""
-    dp = np.zeros(size + 1)
-    picks = []
-    for block in range(weights.shape[0]):
-        new = np.full(size + 1, np.inf)
-        arg = np.full(size + 1, -1, dtype=np.int64)
-        for choice in np.flatnonzero(allowed[block]):
-            weight = int(weights[block, choice])
-            if weight > size:
-                continue
-            candidate = np.full(size + 1, np.inf)
-            candidate[weight:] = dp[:size + 1 - weight] + seconds[block, choice]
-            better = candidate < new
-            new[better], arg[better] = candidate[better], choice
-        dp = new
-        picks.append(arg)
-    if not np.isfinite(dp[size]):
-        return None
-    chosen, room = [], size
-    for block in reversed(range(weights.shape[0])):
-        choice = int(picks[block][room])
-        chosen.append(choice)
-        room -= int(weights[block, choice])
-    return chosen[::-1]
+    names = [profile.choices[i] for i in picked]
+    return Solution(names, profile.held_of(names), rounded_peak(profile, names), profile.seconds_of(names))

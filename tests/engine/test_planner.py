@@ -13,7 +13,7 @@ import acshim
 from acshim.planner import BudgetTooSmall, Plan, measure_step, parse_budget, plan
 from acshim.planner.choices import expand_choices
 from acshim.planner.profile import BlockProfile, Profile
-from acshim.planner.solver import minimum_peak, solve, unit_of
+from acshim.planner.solver import minimum_peak, rounded_peak, solve
 from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
 
 plan_module = importlib.import_module("acshim.planner.plan")  # the package's `plan` is the function
@@ -96,22 +96,29 @@ def test_solver_is_exact_against_brute_force():
     choices = ["keep", "selective", "recompute", "offload:disk"]
     for _ in range(30):
         profile = random_profile(rng, rng.randrange(1, 5), choices)
-        unit = unit_of(profile)
-        rounded = Profile([BlockProfile(b.name, {c: -(-h // unit) * unit for c, h in b.held.items()}, b.transient,
-                                        b.seconds) for b in profile.blocks], choices, profile.other_held,
-                          profile.other_transient, profile.other_seconds, "x", 2)
-        assignments = list(itertools.product(choices, repeat=len(profile.blocks)))
-        least = min(rounded.peak_of(list(a)) for a in assignments)
+        assignments = [list(a) for a in itertools.product(choices, repeat=len(profile.blocks))]
+        least = min(rounded_peak(profile, a) for a in assignments)
         assert minimum_peak(profile) == least
         for budget in (least - 1, least, least + rng.randrange(0, 8000)):
-            fitting = [a for a in assignments if rounded.peak_of(list(a)) <= budget]
+            fitting = [a for a in assignments if rounded_peak(profile, a) <= budget]
             if not fitting:
                 with pytest.raises(BudgetTooSmall):
                     solve(profile, budget)
                 continue
             found = solve(profile, budget)
-            assert found.seconds == pytest.approx(min(profile.seconds_of(list(a)) for a in fitting))
-            assert rounded.peak_of(found.choices) <= budget
+            assert found.seconds == pytest.approx(min(profile.seconds_of(a) for a in fitting))
+            assert found.peak == rounded_peak(profile, found.choices) <= budget
+            assert found.peak >= profile.peak_of(found.choices)  # rounding errs towards more memory
+
+
+def test_predicted_peak_bounds_held_plus_largest_transient():
+    rng = random.Random(2)
+    profile = random_profile(rng, 5, ["keep", "recompute"])
+    for assignment in itertools.product(["keep", "recompute"], repeat=5):
+        blocks = list(zip(profile.blocks, assignment, strict=True))
+        simple = profile.held_of(list(assignment)) + max(
+            [profile.other_transient] + [b.transient[c] for b, c in blocks])
+        assert profile.held_of(list(assignment)) <= profile.peak_of(list(assignment)) <= simple
 
 
 def test_solver_time_never_increases_with_budget():
