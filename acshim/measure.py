@@ -128,6 +128,8 @@ def measure_memory(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"measure_memory needs an nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"measure_memory: loss_fn must be a function output -> scalar loss (or None), got {loss_fn!r}")
     args, kwargs = (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else (
         ((), dict(inputs)) if isinstance(inputs, dict) else ((inputs,), {}))
     block_list = list(blocks) if blocks is not None else (find_blocks(model) or list(model.named_children()))

@@ -201,3 +201,60 @@ def test_documented_subpackages_are_reachable_after_a_bare_import() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "module 'acshim' has no attribute 'nothing'"
+
+
+# --------------------------------------------------------------------------------------------------
+# facade entry points
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"partition_activations": "yes"}, ValueError, r"configure: partition_activations must be true or false, got 'yes'"),
+    ({"num_checkpoints": "x"}, ValueError, r"configure: num_checkpoints must be a whole number of checkpointed layers"),
+    ({"deepspeed_config": {"activation_checkpointing": {"cpu_checkpointing": "true"}}}, ValueError,
+     r"deepspeed_config's activation_checkpointing.cpu_checkpointing must be true or false, got 'true'"),
+])
+def test_deepspeed_configure_rejects_bad_values_and_changes_nothing(kwargs, error, message) -> None:
+    from acshim.facades import deepspeed
+    from acshim.facades.deepspeed.runtime.activation_checkpointing._state import STATE
+
+    STATE.reset()
+    try:
+        deepspeed.checkpointing.configure(None, partition_activations=False, num_checkpoints=2)
+        before = dict(vars(STATE))
+        with pytest.raises(error, match=message):
+            deepspeed.checkpointing.configure(None, **kwargs)
+        assert dict(vars(STATE)) == before
+    finally:
+        STATE.reset()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"checkpoint_impl": "abc"}, ValueError, r"checkpoint_impl must be CheckpointImpl.NO_REENTRANT or "
+     r"CheckpointImpl.REENTRANT, got 'abc'"),
+    ({"preserve_rng_state": "x"}, TypeError, r"preserve_rng_state must be True or False, got 'x'"),
+    ({"determinism_check": "bogus"}, ValueError, r"determinism_check should be one of \['default', 'none'\]"),
+    ({"context_fn": "abc"}, TypeError, r"context_fn must be a function returning"),
+    ({"checkpoint_fn": "abc"}, TypeError, r"checkpoint_fn must be a checkpoint function"),
+])
+def test_torch_checkpoint_wrapper_checks_its_options_when_wrapping(kwargs, error, message) -> None:
+    from acshim.facades.torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    children = list(model)
+    with pytest.raises(error, match=message):
+        cw.checkpoint_wrapper(model[0], **kwargs)
+    with pytest.raises(error, match=message):
+        cw.apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=lambda module: cw.checkpoint_wrapper(module, **kwargs),
+            check_fn=lambda module: isinstance(module, torch.nn.Linear))
+    assert list(model) == children  # nothing wrapped
+    with pytest.raises(TypeError, match="apply_activation_checkpointing: check_fn must be callable, got 'abc'"):
+        cw.apply_activation_checkpointing(model, check_fn="abc")
+    assert list(model) == children
+
+
+def test_measure_memory_checks_loss_fn_before_running_the_model() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="measure_memory: loss_fn must be a function"):
+        acshim.measure_memory(model, torch.randn(1, 2), loss_fn="sum")
+    assert model.weight.grad is None

@@ -434,10 +434,31 @@ def _configure_defaults() -> None:
 def _configure_using_config_file(config: Any, mpu: Any = None) -> None:
     """Copy the ``activation_checkpointing`` block of ``config`` into the flags."""
     settings = _settings_from_config(config)
+    for name, value in settings.items():
+        _check_setting(name, value, f"DeepSpeed config activation_checkpointing.{_CONFIG_KEYS[name]}")
     if _global_rank() == 0:
         logger.info("%s", activation_checkpointing_config(config).repr())
     for name, value in settings.items():
         setattr(STATE, name, value)
+
+
+_ARGUMENTS = ("partition_activations", "contiguous_checkpointing", "num_checkpoints", "checkpoint_in_cpu",
+              "synchronize", "profile")
+_CONFIG_KEYS = {"PARTITION_ACTIVATIONS": "partition_activations",
+                "CONTIGUOUS_CHECKPOINTING": "contiguous_memory_optimization", "num_layers": "number_checkpoints",
+                "CPU_CHECKPOINT": "cpu_checkpointing", "SYNCHRONIZE": "synchronize_checkpoint_boundary",
+                "PROFILE_TIME": "profile"}
+
+
+def _check_setting(name: str, value: Any, where: str) -> None:
+    """A flag is a bool, ``num_layers`` a whole number >= 0; None means "not given"."""
+    if value is None:
+        return
+    if name == "num_layers":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where} must be a whole number of checkpointed layers (or None), got {value!r}")
+    elif not isinstance(value, bool):
+        raise ValueError(f"{where} must be true or false, got {value!r}")
 
 
 def configure(
@@ -463,7 +484,10 @@ def configure(
     """
     settings = {name: (None if name == "num_layers" else False) for name in _SETTING_NAMES}
     if deepspeed_config is not None:
-        settings.update(_settings_from_config(deepspeed_config))
+        from_config = _settings_from_config(deepspeed_config)
+        for name, value in from_config.items():
+            _check_setting(name, value, f"deepspeed_config's activation_checkpointing.{_CONFIG_KEYS[name]}")
+        settings.update(from_config)
     explicit = {
         "PARTITION_ACTIVATIONS": partition_activations,
         "CONTIGUOUS_CHECKPOINTING": contiguous_checkpointing,
@@ -472,6 +496,8 @@ def configure(
         "SYNCHRONIZE": synchronize,
         "PROFILE_TIME": profile,
     }
+    for (name, value), argument in zip(explicit.items(), _ARGUMENTS, strict=True):
+        _check_setting(name, value, f"configure: {argument}")
     settings.update({name: value for name, value in explicit.items() if value is not None})
     if settings["CONTIGUOUS_CHECKPOINTING"]:
         assert settings["PARTITION_ACTIVATIONS"], (

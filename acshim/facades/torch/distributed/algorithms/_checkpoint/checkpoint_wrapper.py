@@ -33,7 +33,9 @@ from torch import nn
 from torch.distributed.utils import _pack_kwargs, _unpack_kwargs
 
 from acshim.dropin import checkpoint as acshim_checkpoint
+from acshim.dropin import noop_context_fn
 from acshim.facades.torch.distributed import ACSHIM_PATCHES  # this module is the torch dialect's facade root
+from acshim.options import RegionOptions
 
 from ._storage import host_boundary_offload, offload_scope
 
@@ -53,6 +55,18 @@ _CHECKPOINT_WRAPPED_MODULE: str = _torch_wrapper._CHECKPOINT_WRAPPED_MODULE
 _CHECKPOINT_PREFIX: str = _torch_wrapper._CHECKPOINT_PREFIX
 
 
+_REGION_KEYWORDS = ("preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn")
+
+
+def _check_checkpoint_kwargs(checkpoint_impl: CheckpointImpl, kwargs: dict[str, Any]) -> None:
+    """The checkpoint keywords among ``checkpoint_fn_kwargs`` are checked now, with the errors
+    ``acshim.checkpoint`` would give at the first forward (others are the module's keywords)."""
+    given = {key: kwargs[key] for key in _REGION_KEYWORDS if key in kwargs}
+    if given.get("context_fn") is noop_context_fn:
+        del given["context_fn"]
+    RegionOptions(reentrant=checkpoint_impl == CheckpointImpl.REENTRANT, **given)
+
+
 class CheckpointWrapper(_TorchCheckpointWrapper):
     """Wraps ``mod`` (as ``self._checkpoint_wrapped_module``) so every call is a checkpointed region.
 
@@ -63,6 +77,13 @@ class CheckpointWrapper(_TorchCheckpointWrapper):
 
     def __init__(self, mod: nn.Module, checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
                  checkpoint_fn: Callable[..., Any] | None = None, **checkpoint_fn_kwargs: Any) -> None:
+        if not isinstance(checkpoint_impl, CheckpointImpl):
+            raise ValueError(f"checkpoint_impl must be CheckpointImpl.NO_REENTRANT or CheckpointImpl.REENTRANT, "
+                             f"got {checkpoint_impl!r}")
+        if checkpoint_fn is not None and not callable(checkpoint_fn):
+            raise TypeError(f"checkpoint_fn must be a checkpoint function (or None for the default), got {checkpoint_fn!r}")
+        if checkpoint_fn is None:
+            _check_checkpoint_kwargs(checkpoint_impl, checkpoint_fn_kwargs)
         ActivationWrapper.__init__(self, mod)
         self.checkpoint_impl = checkpoint_impl
         self._inputs_scope = None
@@ -137,6 +158,11 @@ def apply_activation_checkpointing(
     ``checkpoint_wrapper_fn(submodule)``. Children are wrapped before parents (both when both
     match); the root is never wrapped. Returns None.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_activation_checkpointing needs an nn.Module as model, got {type(model).__name__}")
+    for name, value in (("checkpoint_wrapper_fn", checkpoint_wrapper_fn), ("check_fn", check_fn)):
+        if not callable(value):
+            raise TypeError(f"apply_activation_checkpointing: {name} must be callable, got {value!r}")
     _torch_apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper_fn, check_fn=check_fn,
                                           auto_wrap_policy=auto_wrap_policy)
 
