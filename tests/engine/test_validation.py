@@ -43,8 +43,14 @@ BAD_OPTIONS = [
 ]
 
 
+def _option_id(kwargs: dict) -> str:
+    """A test id that is the same in every pytest-xdist worker (no object addresses)."""
+    return ", ".join(f"{key}={getattr(value, '__name__', type(value).__name__) if callable(value) else value!r}"
+                     for key, value in kwargs.items())
+
+
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "already_applied"])
-@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_OPTIONS, ids=[str(k) for k, _, _ in BAD_OPTIONS])
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_OPTIONS, ids=[_option_id(k) for k, _, _ in BAD_OPTIONS])
 def test_apply_checkpointing_rejects_bad_options_before_changing_the_model(kwargs, error, message, fresh) -> None:
     model = small_gpt()
     if not fresh:
@@ -58,7 +64,7 @@ def test_apply_checkpointing_rejects_bad_options_before_changing_the_model(kwarg
     model(torch.randint(0, 32, (2, 8))).sum().backward()
 
 
-@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_OPTIONS[:9], ids=[str(k) for k, _, _ in BAD_OPTIONS[:9]])
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_OPTIONS[:9], ids=[_option_id(k) for k, _, _ in BAD_OPTIONS[:9]])
 def test_region_options_and_build_options_validate_every_field(kwargs, error, message) -> None:
     with pytest.raises(error, match=message):
         acshim.RegionOptions(**kwargs)
