@@ -40,6 +40,13 @@ class _WarnOnce:
         self.warned = False
 
     def __call__(self, message: str) -> None:
+        if self.warned:
+            return
+        if torch.compiler.is_compiling():
+            # Dynamo can trace neither the lock nor warnings.warn: its graph break there, deep in a
+            # model's frames, would send those frames back to eager for good. Compiled regions drop
+            # the cache all the same; the warning waits for an eager region.
+            return
         with self._lock:
             if self.warned:
                 return

@@ -78,12 +78,14 @@ def _step(fn, model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor | No
     return [x.grad, *(p.grad for p in model.parameters())], sum(saved.values())
 
 
-def _check(fn, model: nn.Module, backend: str = "aot_eager", regions: int | None = None) -> Recorder:
-    """Compiled ``fn`` gives the eager no-checkpointing gradients and holds less than ``fn``
-    compiled without checkpointing; ``regions``: checkpoint operators expected in the graph."""
+def _check(fn, model: nn.Module, backend: str = "aot_eager", regions: int | None = None,
+           reference_fn=None) -> Recorder:
+    """Compiled ``fn`` gives the eager no-checkpointing gradients (of ``reference_fn`` if given)
+    and holds less than ``fn`` compiled without checkpointing; ``regions``: checkpoint operators
+    expected in the graph."""
     x = torch.randn(BATCH, WIDTH, requires_grad=True)
     with acshim.disable_checkpointing():
-        reference, _ = _step(fn, model, x)
+        reference, _ = _step(reference_fn or fn, model, x)
         torch._dynamo.reset()
         _, plain_bytes = _step(torch.compile(fn, backend=backend), model, x)
     torch._dynamo.reset()
@@ -254,3 +256,17 @@ def test_inductor_mixed_regions() -> None:
     model = _blocks(2)
     _check(lambda x: acshim.checkpoint(model[1], acshim.checkpoint(model[0], x, use_reentrant=True),
                                        context_fn=save_ops()), model, backend="inductor", regions=2)
+
+
+def test_hugging_face_model_with_default_cache_compiles_without_graph_breaks() -> None:
+    """GPT-2 in training with use_cache left on: the compiled regions drop the cache as eager ones
+    do, without breaking the graph, and give the gradients of the run without a cache (a cache
+    changes the key/value layout, so MKL may pick another kernel: the cache-on run is not the
+    reference, as in tests/hf)."""
+    pytest.importorskip("transformers")
+    model = acshim.testing.hf_model("gpt2")
+    model.train()
+    acshim.apply_checkpointing(model)
+    ids = torch.randint(0, 50, (2, 8))
+    _check(lambda x: model(input_ids=ids).logits * x.sum(), model, regions=len(model.transformer.h),
+           reference_fn=lambda x: model(input_ids=ids, use_cache=False).logits * x.sum())
