@@ -106,7 +106,9 @@ class OffloadSession:
         self.per_tensor_groups = per_tensor_groups
         self.scheduler = PrefetchScheduler(prefetch)
         self.stats = OffloadStats(storage, prefetch)
-        self._writing: deque[StoredTensor] = deque()
+        self._writing: deque[tuple[weakref.ref[StoredTensor], Backend, Ticket, int]] = deque()
+        """Copies out not collected yet. Handles weakly: a graph dropped without backward (evaluation
+        with grad on) frees its slots at once, not when a later pack collects its copies."""
         self._writing_bytes = 0
         self.max_bytes_in_flight: int = getattr(tier, "max_bytes_in_flight", DEFAULT_BYTES_IN_FLIGHT)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[StoredTensor]]] = {}
@@ -163,7 +165,7 @@ class OffloadSession:
         handle.data = None
         REAPER.watch(handle, handle.backend.release, handle.out, self.tier)
         self.scheduler.sent_out(handle)
-        self._writing.append(handle)
+        self._writing.append((weakref.ref(handle), handle.backend, handle.out, handle.layout.nbytes))
         self._writing_bytes += handle.layout.nbytes
         self.stats.sent_out += 1
         if self._writing_bytes > self.max_bytes_in_flight:
@@ -191,15 +193,19 @@ class OffloadSession:
         ``max_bytes_in_flight`` are pending (``wait``: for all of them); raise ``OffloadIOError`` if
         one failed. The failed tensor is kept in memory, so its graph still works."""
         failures: list[tuple[StoredTensor, TransferFailed]] = []
+        writing = self._writing
         with self._lock:
-            while self._writing and (wait or self._writing_bytes > self.max_bytes_in_flight
-                                     or self._writing[0].backend.done(self._writing[0].out)):
-                handle = self._writing.popleft()
-                self._writing_bytes -= handle.layout.nbytes
+            while writing and (wait or self._writing_bytes > self.max_bytes_in_flight
+                               or writing[0][1].done(writing[0][2])):
+                ref, backend, ticket, nbytes = writing.popleft()
+                self._writing_bytes -= nbytes
                 try:
-                    handle.backend.wait(handle.out)
+                    backend.wait(ticket)
                 except TransferFailed as failure:
                     _drop_traceback(failure)
+                    handle = ref()
+                    if handle is None or handle.out is not ticket:  # its graph is gone, or unpack saw it
+                        continue
                     handle.data, handle.out = failure.data, None
                     failures.append((handle, failure))
         if failures:

@@ -99,3 +99,15 @@ def test_freed_ranges_are_reused_and_live_bytes_never_change(disk_dir):
         tier.free(slot)
     assert tier._current.end == 0 and os.fstat(tier._current.fd).st_size == 0
     tier.close()
+
+
+@pytest.mark.parametrize("make", [_boundary, _one_scope], ids=["apply_checkpointing", "offload"])
+def test_a_dropped_graph_frees_its_slots_before_the_next_forward(make, disk_dir):
+    """Copies still in flight are held weakly: dropping the graph frees its space at once, not at
+    the next forward's first save."""
+    forward, tier = make(disk_dir)
+    loss = forward(torch.randn(BATCH, WIDTH))
+    assert REAPER.settle() and _referenced(tier) >= STEP_BYTES // 4
+    del loss
+    assert REAPER.settle()
+    assert _referenced(tier) == 0
