@@ -24,6 +24,10 @@ import wrapt
 
 from .journal import Journal, PatchWarning
 
+# wrapt >= 2.4 raises PathResolutionError for a missing attribute; older ones let AttributeError out.
+_MISSING_ATTRIBUTE: tuple[type[BaseException], ...] = (AttributeError, *(
+    (wrapt.PathResolutionError,) if hasattr(wrapt, "PathResolutionError") else ()))
+
 # Entry points the engine itself calls: forwarding them to a facade would recurse into it.
 _ENGINE_OWNED = ("torch.utils.checkpoint",)
 
@@ -120,7 +124,7 @@ def apply_entries(module: types.ModuleType, entries: Iterable[tuple[PatchEntry, 
     for entry, facade_object in entries:
         try:
             owner, attribute, original = wrapt.resolve_path(module, entry.attribute)
-        except wrapt.PathResolutionError as error:
+        except _MISSING_ATTRIBUTE as error:
             missing(entry, f"{entry.target} does not exist in the installed version ({error})")
             continue
         if original is facade_object or is_acshim_wrapper(original):
