@@ -51,6 +51,7 @@ DIALECTS: tuple[Dialect, ...] = (
         "torch",
     ),
     Dialect("modalities", "modalities", "acshim.facades.modalities", "modalities"),
+    Dialect("torchtune", "torchtune", "acshim.facades.torchtune", "torchtune"),
 )
 
 # Import names whose first import makes a child process install the patches (see childsite/).

@@ -370,3 +370,22 @@ def test_acshim_run_serves_the_module(tmp_path, upstream) -> None:
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [facade.__name__] * 2
+
+
+def test_the_environment_selects_the_disk_tier_for_an_unchanged_script(tmp_path, monkeypatch) -> None:
+    """ACSHIM_OFFLOAD_STORAGE / ACSHIM_OFFLOAD_DIR choose the tier when the script passes neither
+    (upstream's API has no storage argument); an explicit keyword still wins."""
+    monkeypatch.setenv("ACSHIM_OFFLOAD_STORAGE", "disk")
+    monkeypatch.setenv("ACSHIM_OFFLOAD_DIR", str(tmp_path))
+    layers, x = _layers(3), torch.randn(8, 16, requires_grad=True)
+    _run_marked(layers, x).backward()
+    expected = _grads(layers, x)
+    layers.zero_grad(set_to_none=True)
+    x.grad = None
+    manager = facade.CheckpointHiddenStatesOffload(use_streams=False, min_offload_bytes=0, keep_last_count=0)
+    assert manager.storage == "disk"
+    with manager:
+        _run_marked(layers, x, manager).backward()
+    assert manager.stats.offloaded_tensors == 4  # CPU tensors move only on the disk tier
+    assert all(torch.equal(a, b) for a, b in zip(_grads(layers, x), expected, strict=True))
+    assert facade.CheckpointHiddenStatesOffload(storage="host").storage == "host"

@@ -26,6 +26,7 @@ TRIGGER_NAMES = (
     "torch.sagemaker",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     "modalities",
+    "torchtune",
     "transformers",
     "accelerate",
 )

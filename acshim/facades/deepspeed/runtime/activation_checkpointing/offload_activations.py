@@ -8,7 +8,8 @@ names, arguments, errors and stats run on acshim's storage tier: each marked ten
 group of a ``storage.boundary_offload`` scope whose horizon is ``keep_last_count`` (the newest
 ``keep_last_count`` stay resident, backward brings that many back ahead). The tier is
 ``storage.get_defaults().storage`` (``"host"``: device tensors to pinned host memory, CPU tensors
-stay put, as upstream skips them) unless the keyword-only ``storage=`` / ``directory=`` say otherwise;
+stay put, as upstream skips them) unless the keyword-only ``storage=`` / ``directory=`` or, for an
+unchanged script, ``ACSHIM_OFFLOAD_STORAGE`` / ``ACSHIM_OFFLOAD_DIR`` in the environment say otherwise;
 ``"disk"`` also moves CPU tensors, so CPU training gets the memory relief upstream cannot give.
 
 ``use_streams``, ``use_pin_memory``, ``max_fwd_stash_count`` and ``max_cpu_buffer_pool_count`` are
@@ -29,6 +30,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from acshim.storage import boundary_offload
 from acshim.storage.layout import movable
+
+from ...._env import offload_storage
 
 __all__ = [
     "CheckpointActivationOffloadStats",
@@ -140,6 +143,7 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self.use_pin_memory, self.use_streams = use_pin_memory, use_streams
         self.min_offload_bytes, self.keep_last_count = min_offload_bytes, keep_last_count
         self.max_fwd_stash_count, self.max_cpu_buffer_pool_count = max_fwd_stash_count, max_cpu_buffer_pool_count
+        storage, directory = offload_storage(storage, directory)
         self.scope = boundary_offload(storage, keep_last_count, directory, min_offload_bytes)
         self.storage = self.scope.options.storage
         self.stats = CheckpointActivationOffloadStats()
