@@ -4,6 +4,8 @@
     acshim run [--hf] [--children] -m module [args...]   the same for ``python -m module``
     acshim run [--hf] [--] launcher [args...]            a launcher on PATH (torchrun, accelerate,
                                                          deepspeed, python) with every rank patched
+    acshim run --budget 2GiB|0.3 [--report] script.py    the script's checkpoint calls follow a plan
+    acshim plan --budget X [--sweep] [--png f] -- script.py [args...]   plan on its first step, print, exit
     acshim compat [--markdown] [--dialect D] [--status S] [--write | --check]
     acshim doctor                                        versions, devices, what would be patched
     acshim build-ext                                     compile the native I/O extension now
@@ -21,8 +23,11 @@ import shutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
-RUN_USAGE = "acshim run [--hf] [--children] (script.py | -m module | [--] launcher) [args...]"
+RUN_USAGE = ("acshim run [--hf] [--children] [--budget B] [--report] (script.py | -m module | [--] launcher) "
+             "[args...]")
+PLAN_USAGE = "acshim plan --budget B [--sweep] [--png out.png] [--storage host|disk] [--] (script.py | -m module) [args...]"
 RUN_HELP = f"""usage: {RUN_USAGE}
 
 Run a training script written for DeepSpeed, FairScale, SageMaker model parallelism, PyTorch's
@@ -33,6 +38,14 @@ options (before the script; everything after it goes to the script):
   --hf        also checkpoint every Hugging Face model automatically (acshim.patch_transformers())
   --children  patch child Python processes too (torchrun workers, multiprocessing spawn);
               same as ACSHIM_PATCH_CHILDREN=1 in the environment. Off by default.
+  --budget B  plan instead of the script's recipe: B is the peak activation memory allowed per
+              step, in bytes or with a unit (2GiB, 800MB) or a fraction of the memory without
+              checkpointing (0.3). The script's own checkpoint calls (any dialect) become regions
+              the plan decides about (keep / selective / recompute / offload), planned on its first
+              step; one line on stderr says what was replaced. See docs/cli.md.
+  --storage T offload tier for --budget plans: host or disk (default: disk on CPU, host on GPU)
+  --report    at exit, print per region and per dialect forwards, recomputes, bytes held, bytes
+              offloaded per tier, prefetch hits and waits, and settings that silently do nothing
   -m module   run a module as `python -m module` does
   -h, --help  show this help
 
@@ -51,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_command(argv[2:], script_prefix=[argv[0]])
     if argv and argv[0] == "run":
         return run_command(argv[1:])
+    if argv and argv[0] == "plan":
+        return plan_command(argv[1:])
     if argv and argv[0] == "demo":  # everything after ``demo`` is the demo's own
         return demo_command(argv[1:])
     args = _parser().parse_args(argv)
@@ -65,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = parser.add_subparsers(dest="command", metavar="command")
     verbs.add_parser("run", help="run a script with acshim's patches installed", usage=RUN_USAGE, add_help=False)
+    verbs.add_parser("plan", help="plan checkpointing for a script under a memory budget and print it",
+                     usage=PLAN_USAGE, add_help=False)
 
     compat = verbs.add_parser("compat", help="print the compatibility matrix")
     compat.add_argument("--markdown", action="store_true", help="print Markdown (as compat_matrix/README.md)")
@@ -89,34 +106,45 @@ def _parser() -> argparse.ArgumentParser:
 # run
 
 
-def _parse_run(argv: list[str]) -> tuple[dict[str, bool], str | None, str | None, list[str]] | str:
+_VALUE_OPTIONS = ("--budget", "--storage", "--png")
+
+
+def _parse_run(argv: list[str], verb: str = "run", allowed: tuple[str, ...] = ("--hf", "--children", "--report"),
+               values: tuple[str, ...] = ("--budget", "--storage")
+               ) -> tuple[dict[str, Any], str | None, str | None, list[str]] | str:
     """Options up to the script (or ``-m module``); the rest belongs to the script untouched."""
-    flags = {"hf": False, "children": False}
+    flags: dict[str, Any] = {"hf": False, "children": False}  # the others only when given
     index = 0
     while index < len(argv):
         arg = argv[index]
         if arg in ("-h", "--help"):
             return "help"
-        if arg == "--hf":
-            flags["hf"] = True
-        elif arg == "--children":
-            flags["children"] = True
+        name, equals, inline = arg.partition("=")
+        if name in values:
+            value = inline if equals else (argv[index + 1] if index + 1 < len(argv) else None)
+            if not value:
+                return f"acshim {verb}: argument {name}: expected a value"
+            flags[name[2:]] = value
+            index += 1 if equals else 2
+            continue
+        if arg in allowed:
+            flags[arg[2:]] = True
         elif arg == "-m" or (arg.startswith("-m") and len(arg) > 2):
             module = arg[2:] or (argv[index + 1] if index + 1 < len(argv) else "")
             if not module:
-                return "acshim run: argument -m: expected a module name"
+                return f"acshim {verb}: argument -m: expected a module name"
             rest = argv[index + (1 if arg[2:] else 2):]
             return flags, None, module, rest
         elif arg == "--":
             index += 1
             break
         elif arg.startswith("-"):
-            return f"acshim run: unknown option {arg!r} (options go before the script; see acshim run --help)"
+            return f"acshim {verb}: unknown option {arg!r} (options go before the script; see acshim {verb} --help)"
         else:
             break
         index += 1
     if index >= len(argv):
-        return "acshim run: the script to run is missing"
+        return f"acshim {verb}: the script to run is missing"
     return flags, argv[index], None, argv[index + 1:]
 
 
@@ -135,11 +163,72 @@ def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
     args = [*script_prefix, *args]
     launcher = _launcher_path(script)
     if launcher is not None:
+        if flags.get("budget") is not None or flags.get("report"):
+            print(f"usage: {RUN_USAGE}\nacshim run: --budget and --report apply to a script run in this process; "
+                  f"with a launcher let each rank run it: {script} ... -m acshim run --budget B train.py",
+                  file=sys.stderr)
+            return 2
         return run_launcher(launcher, [script, *args], hf=flags["hf"])
+    return _run_in_process("run", flags, script, module, args)
+
+
+PLAN_HELP = f"""usage: {PLAN_USAGE}
+
+Run a few steps of a training script (any dialect, unchanged) with acshim's patches installed, plan
+its checkpoint calls under a peak activation-memory budget on its first step, print the plan table
+and exit without training on.
+
+options (before the script; everything after it goes to the script):
+  --budget B     bytes, a size (2GiB, 800MB) or a fraction of the memory without checkpointing (0.3)
+  --sweep        also print the memory vs step-time frontier (10 budgets) and uniform recipes
+  --png FILE     with --sweep, plot the frontier to FILE (needs matplotlib: pip install 'acshim[plot]')
+  --storage T    offload tier: host or disk (default: disk on CPU, host on GPU)
+  --hf           also checkpoint every Hugging Face model automatically
+  -m module      plan for a module run as `python -m module`
+"""
+
+
+def plan_command(argv: list[str]) -> int:
+    """``acshim plan``: the plan for a script's first step, printed; 0, or 2 on bad input."""
+    parsed = _parse_run(argv, "plan", allowed=("--hf", "--sweep"), values=_VALUE_OPTIONS)
+    if parsed == "help":
+        print(PLAN_HELP, end="")
+        return 0
+    if isinstance(parsed, str):
+        print(f"usage: {PLAN_USAGE}\n{parsed}", file=sys.stderr)
+        return 2
+    flags, script, module, args = parsed
+    if flags.get("budget") is None:
+        print(f"usage: {PLAN_USAGE}\nacshim plan: argument --budget is required (e.g. --budget 2GiB, or --budget 0.3 "
+              "for 30% of the activation memory without checkpointing)", file=sys.stderr)
+        return 2
+    if flags.get("png") is not None:
+        flags["sweep"] = True
+    return _run_in_process("plan", flags, script, module, args)
+
+
+def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module: str | None, args: list[str]) -> int:
     if script is not None and not os.path.exists(script):
-        print(f"acshim run: can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory",
+        print(f"acshim {verb}: can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory",
               file=sys.stderr)
         return 2
+    session = None
+    if flags.get("storage") is not None and flags.get("budget") is None:
+        print(f"acshim {verb}: --storage chooses the offload tier of a --budget plan; add --budget", file=sys.stderr)
+        return 2
+    if flags.get("storage") not in (None, "host", "disk"):
+        print(f"acshim {verb}: argument --storage: expected host or disk, got {flags.get('storage')!r}", file=sys.stderr)
+        return 2
+    if flags.get("budget") is not None:
+        from .planner.session import PlanSession, _check_budget
+
+        try:
+            _check_budget(flags.get("budget"))
+        except ValueError as error:
+            print(f"acshim {verb}: argument {error}", file=sys.stderr)
+            return 2
+        session = PlanSession(flags.get("budget"), storage=flags.get("storage"), exit_after_plan=verb == "plan",
+                              sweep=flags.get("sweep"), png=flags.get("png"))
 
     from .patching import PatchError, install
     from .patching.children import children_requested, enable_children
@@ -152,22 +241,30 @@ def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
         script_traceback,
     )
 
-    if flags["children"] or children_requested():
+    if flags.get("children") or children_requested():
         enable_children(hf=flags["hf"])
     try:
         install(hf=flags["hf"])
     except (PatchError, ImportError) as error:
-        print(f"acshim run: could not install the patches (nothing was changed): {error}", file=sys.stderr)
+        print(f"acshim {verb}: could not install the patches (nothing was changed): {error}", file=sys.stderr)
         return 1
-    report_regions_at_exit()
+    report_regions_at_exit(detailed=flags.get("report"))
     if module is not None and not module_found(module):
-        print(f"acshim run: No module named {module}", file=sys.stderr)
+        print(f"acshim {verb}: No module named {module}", file=sys.stderr)
         return 1
+    from .planner.session import PlanExit
+
+    if session is not None:
+        session.start()
     try:
         if module is not None:
             run_module(module, args)
         else:
             run_script(script, args)
+    except PlanExit as done:
+        if done.message:
+            print(done.message, file=sys.stderr)
+        return done.code
     except (SystemExit, KeyboardInterrupt):
         raise  # python's own handling gives the exit status
     except BaseException as error:
@@ -176,6 +273,16 @@ def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
         sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         record_rank_error(error)  # after with_traceback: torchrun's summary shows the trimmed one
         return 1
+    finally:
+        if session is not None and verb == "plan":
+            session.stop()
+    if session is not None and session.mode == "idle":
+        session.stop()
+        print(f"acshim {verb}: --budget {flags.get('budget')}: the script ran no checkpointed region with grad enabled, "
+              "so there was nothing to plan; checkpoint its blocks in any dialect (torch checkpoint_wrapper, "
+              "DeepSpeed, FairScale, gradient_checkpointing_enable(), acshim.apply_checkpointing) or add --hf "
+              "for transformers models", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -43,12 +43,30 @@ class RegionStats:
 
     forwards: int = 0
     recomputes: int = 0
+    recorder: Any = None
+    """``acshim run --report``'s per-region recorder (``acshim.report``): ``call`` at each region
+    call, ``forward`` / ``recompute`` as the engine runs them."""
+
+    def forward(self, function: Callable[..., Any]) -> None:
+        self.forwards += 1
+        if self.recorder is not None:
+            self.recorder.forward(function)
+
+    def recompute(self, function: Callable[..., Any]) -> None:
+        self.recomputes += 1
+        if self.recorder is not None:
+            self.recorder.recompute(function)
 
     def __str__(self) -> str:
         return f"acshim: {self.forwards} region forwards, {self.recomputes} recomputes"
 
 
 STATS = RegionStats()
+
+ROUTERS: list[Any] = []
+"""At most one router (``acshim run --budget``'s plan session, ``acshim.planner.session``): every
+region call goes to ``router.route(function, args, kwargs, options)``, which decides how the region
+runs (keep, selective, recompute, offload) and calls ``run_region_now`` for the engine's part."""
 
 
 def run_region(
@@ -65,6 +83,16 @@ def run_region(
     kwargs = kwargs or {}
     if state.is_checkpointing_disabled or not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if STATS.recorder is not None:
+        STATS.recorder.call(function, args, kwargs, options)
+    if ROUTERS and not compiled.is_compiling():
+        return ROUTERS[-1].route(function, args, kwargs, options)
+    return run_region_now(function, args, kwargs, options)
+
+
+def run_region_now(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   options: RegionOptions) -> Any:
+    """``run_region`` past the router (grad enabled, checkpointing not disabled)."""
     args, kwargs = region_state.region_inputs(function, args, kwargs)  # no cache written twice
     if compiled.is_compiling():
         return compiled.run_traced(function, args, kwargs, options)
@@ -92,7 +120,7 @@ class _RegionCall:
         self.calls += 1
         observer = self.options.observer
         if self.calls == 1:
-            STATS.forwards += 1
+            STATS.forward(self.function)
             _notify(observer, "forward_start", self.function)
             with enable_checkpointing():
                 output = self.function(*args, **kwargs)
@@ -104,7 +132,7 @@ class _RegionCall:
             stack.enter_context(_flag("is_checkpointing", False))
             stack.enter_context(enable_recomputing())
             stack.enter_context(_batchnorm_guard(self.function))
-            STATS.recomputes += 1
+            STATS.recompute(self.function)
             _notify(observer, "recompute_start", self.function)
             # torch stops an early-stopped recompute with an exception: report the end regardless
             stack.callback(_notify, observer, "recompute_end", self.function)
@@ -202,7 +230,7 @@ class _ReentrantRegion(torch.autograd.Function):
             ctx.tracker_states = rng.capture_tracker_states()
         ctx.autocast = _autocast_contexts(ctx.device_type)
 
-        STATS.forwards += 1
+        STATS.forward(spec.function)
         _notify(options.observer, "forward_start", spec.function)
         with enable_checkpointing(), _probing(spec.probe):
             output = spec.call(tensors)
@@ -246,7 +274,7 @@ class _ReentrantRegion(torch.autograd.Function):
             stack.enter_context(enable_recomputing())
             stack.enter_context(_batchnorm_guard(spec.function))
             aliases = stack.enter_context(_parameter_aliases(spec.parameter_slots))
-            STATS.recomputes += 1
+            STATS.recompute(spec.function)
             _notify(options.observer, "recompute_start", spec.function)
             output = spec.call(inputs)
         _notify(options.observer, "recompute_end", spec.function)

@@ -72,15 +72,21 @@ def run_module(name: str, args: Sequence[str] = ()) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
-_REPORT = {"registered": False, "filtered": True}
+_REPORT = {"registered": False, "filtered": True, "detailed": False}
 
 
-def report_regions_at_exit(*, only_ranks_and_users: bool = False) -> None:
+def report_regions_at_exit(*, only_ranks_and_users: bool = False, detailed: bool = False) -> None:
     """With ``ACSHIM_REPORT_REGIONS=1``, print this process's region counts to stderr at exit, one
     line, `` (rank N)`` appended under a launcher. ``only_ranks_and_users`` (child processes): stay
     silent in a process that is not a rank and ran no region (a launcher that imported accelerate).
-    Registers once per process; a call without the filter lifts it."""
-    if os.environ.get("ACSHIM_REPORT_REGIONS") != "1":
+    ``detailed`` (``acshim run --report``): the full report of ``acshim.report`` instead of the line,
+    whatever the environment says. Registers once per process; a call without the filter lifts it."""
+    if detailed:
+        from ..report import start
+
+        start()
+        _REPORT["detailed"] = True
+    elif os.environ.get("ACSHIM_REPORT_REGIONS") != "1":
         return
     _REPORT["filtered"] = _REPORT["filtered"] and only_ranks_and_users
     if _REPORT["registered"]:
@@ -94,7 +100,11 @@ def report_regions_at_exit(*, only_ranks_and_users: bool = False) -> None:
         rank = os.environ.get("RANK")
         if _REPORT["filtered"] and rank is None and STATS.forwards == 0:
             return
-        print(f"{STATS}{f' (rank {rank})' if rank is not None else ''}", file=sys.stderr, flush=True)
+        suffix = f" (rank {rank})" if rank is not None else ""
+        if _REPORT.get("detailed") and STATS.recorder is not None:
+            print(f"{STATS}{suffix}\n{STATS.recorder.render()}", file=sys.stderr, flush=True)
+            return
+        print(f"{STATS}{suffix}", file=sys.stderr, flush=True)
 
     atexit.register(report)
 

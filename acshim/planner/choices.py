@@ -80,6 +80,26 @@ class OffloadedForward(CheckpointedForward):
         return (OffloadedForward, (self.module, self.storage, self.prefetch, self.replaced))
 
 
+def choice_options(choice: str) -> RegionOptions:
+    """The region options of a recomputing ``choice`` (selective, selective-alt, recompute,
+    recompute+offload:TIER)."""
+    base, _, tier = choice.partition(":")
+    options = RegionOptions()
+    if base == "selective":
+        return options.replace(context_fn=save_ops())
+    if base == "selective-alt":
+        alternate = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return options.replace(context_fn=save_ops(DEFAULT_SAVE_OPS, recompute_every_other=alternate))
+    if base == "recompute+offload":
+        from ..storage import boundary_offload
+
+        # One session per block and no horizon: what the block's profile measured alone.
+        return options.replace(saved_tensors_scope=boundary_offload(storage=tier, prefetch=0))
+    if base != "recompute":
+        raise ValueError(f"unknown planner choice {choice!r}")
+    return options
+
+
 def install(block: nn.Module, choice: str, prefetch: int = 2) -> None:
     """Make ``block`` run as ``choice`` (in place; ``keep`` removes a region the planner installed)."""
     base, _, tier = choice.partition(":")
@@ -93,18 +113,6 @@ def install(block: nn.Module, choice: str, prefetch: int = 2) -> None:
         replaced = block.__dict__.get("forward", _MISSING)
         block.forward = OffloadedForward(block, tier, prefetch, replaced)
     else:
-        options = RegionOptions()
-        if base == "selective":
-            options = options.replace(context_fn=save_ops())
-        elif base == "selective-alt":
-            alternate = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-            options = options.replace(context_fn=save_ops(DEFAULT_SAVE_OPS, recompute_every_other=alternate))
-        elif base == "recompute+offload":
-            from ..storage import boundary_offload
-
-            # One session per block and no horizon: what the block's profile measured alone.
-            options = options.replace(saved_tensors_scope=boundary_offload(storage=tier, prefetch=0))
-        elif base != "recompute":
-            raise ValueError(f"unknown planner choice {choice!r}")
+        options = choice_options(choice)
         checkpoint_module(block, options)
     block.__dict__[_APPLIED] = block.__dict__["forward"]

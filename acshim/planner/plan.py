@@ -195,6 +195,15 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     else:
         profile = profile_model(model, example_batch, loss_fn=loss_fn, choices=concrete, prefetch=prefetch,
                                 repeats=repeats, blocks=blocks)
+    measure = None if not verify else (lambda candidate: _verify(model, example_batch, loss_fn, candidate, blocks))
+    return solve_within(profile, budget, measure, retries=retries)
+
+
+def solve_within(profile: Profile, budget: int | float | str,
+                 measure: Callable[[Plan], tuple[int, int]] | None, *, retries: int = 4) -> Plan:
+    """The fastest plan of ``profile`` under ``budget``; with ``measure`` (a candidate plan ->
+    measured ``(held, peak)``) a plan measured over budget is re-solved under a tighter one, and
+    never returned over budget. ``BudgetTooSmall`` names the least achievable peak."""
     reference_peak, reference_seconds = _reference(profile)
     budget_bytes = parse_budget(budget, reference_peak or profile.recompute_step["peak"])
     notes = []
@@ -213,9 +222,9 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
                       notes=list(notes))
-        if not verify:
+        if measure is None:
             return result
-        held, peak = _verify(model, example_batch, loss_fn, result, blocks)
+        held, peak = measure(result)
         result.measured_held, result.measured_peak = held, peak
         if peak <= budget_bytes:
             if target != budget_bytes:

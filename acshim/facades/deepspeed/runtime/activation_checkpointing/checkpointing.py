@@ -42,7 +42,7 @@ from acshim.state import state as engine_state
 from ._profile import FORWARD_GLOBAL_TIMER as FORWARD_GLOBAL_TIMER  # an upstream module name
 from ._profile import CheckpointObserver, Timers
 from ._state import STATE, StateBackedModule
-from .config import activation_checkpointing_config
+from .config import activation_checkpointing_config, load_param_dict
 
 __all__ = [
     "CheckpointFunction", "CudaRNGStatesTracker", "checkpoint", "configure", "detach_variable",
@@ -485,6 +485,8 @@ def configure(
     settings = {name: (None if name == "num_layers" else False) for name in _SETTING_NAMES}
     if deepspeed_config is not None:
         from_config = _settings_from_config(deepspeed_config)
+        if "activation_checkpointing" in load_param_dict(deepspeed_config):
+            CONFIG_BLOCKS.append(deepspeed_config if isinstance(deepspeed_config, str) else "a dict")
         for name, value in from_config.items():
             _check_setting(name, value, f"deepspeed_config's activation_checkpointing.{_CONFIG_KEYS[name]}")
         settings.update(from_config)
@@ -527,6 +529,11 @@ def configure(
                     STATE.num_layers)
         logger.info("----Synchronization %s", STATE.SYNCHRONIZE)
         logger.info("----Profiling time in checkpointing %s", STATE.PROFILE_TIME)
+
+
+CONFIG_BLOCKS: list[str] = []
+"""Each ``configure(deepspeed_config=...)`` whose config had an ``activation_checkpointing`` block
+(the file path, or "a dict"): ``acshim run --report`` flags them when no DeepSpeed checkpoint ran."""
 
 
 def is_configured() -> bool:

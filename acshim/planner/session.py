@@ -1,0 +1,497 @@
+"""``acshim run --budget`` and ``acshim plan``: an unchanged script's own checkpoint calls get the plan.
+
+Design. Every dialect's checkpoint call reaches the engine's ``run_region``; while a ``PlanSession``
+is active (``acshim.region.ROUTERS``) ``run_region`` hands the call to ``PlanSession.route`` instead.
+Regions are keyed by their **position in the step**: the model's forward pre-hook resets the count,
+so a DeepSpeed closure, a ``checkpoint_wrapper`` module or a Hugging Face layer are all "region i".
+
+The first region call of the script's first step plans, there and then, within the budget:
+1. the model being run is the outermost ``nn.Module`` call on the stack (data-parallel wrappers
+   skipped), with the inputs it was called with;
+2. one step of that model runs with every region fully recomputed, under the live-bytes tracker: it
+   captures each region's inputs and measures what lies outside the regions (the whole model never
+   runs without checkpointing); a second, untracked one times it;
+3. each region runs alone per choice on its captured inputs (``acshim.plan``'s block profile);
+4. ``solve_within`` solves exactly and verifies on one more step, re-solving if measured over budget;
+5. gradients, RNG state and buffers are put back, and the interrupted step continues under the
+   plan: region i runs as keep (a plain call), selective, recompute, offload or recompute+offload,
+   whatever the script asked for. One line on stderr says what was replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import region as engine
+from .. import structures
+from ..measure import default_loss
+from ..options import RegionOptions
+from ..region import _owning_module, run_region_now
+from .budget import format_bytes, parse_budget
+from .choices import BASE_CHOICES, choice_options, expand_choices
+from .plan import Plan, solve_within
+from .profile import (
+    BlockProfile,
+    Profile,
+    _block_key,
+    _block_step,
+    _grad_flags,
+    _map_untracked,
+    _timed,
+    model_signature,
+)
+from .solver import BudgetTooSmall
+from .tracker import LiveBytes, excluded_keys, grad_keys
+
+METHOD = ("measured on the script's first step: one step of the model with every region fully recomputed "
+          "captured each region's input, then each region ran alone per choice")
+
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "FullyShardedDataParallel",
+             "DistributedModel", "PipelineModule")
+
+
+class PlanExit(BaseException):
+    """Ends the script from inside its first step: ``code`` 0 after ``acshim plan``, 2 on bad input
+    or a budget that cannot be met (``message`` says which argument and how to fix it)."""
+
+    def __init__(self, code: int, message: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class RegionSite:
+    """Region i of the step: the callable the script checkpointed and what it asked for."""
+
+    function: Callable[..., Any]
+    owner: nn.Module | None
+    dialect: str
+    asked: str
+    captured: tuple[Any, Any, list[bool]] | None = None
+    scope: Any = None
+    scope_tier: str = ""
+    options: RegionOptions | None = None
+    calls: int = 0
+
+
+@dataclass
+class PlanSession:
+    """The router ``acshim run --budget`` installs (see the module docstring)."""
+
+    budget: int | float | str
+    choices: tuple[str, ...] = BASE_CHOICES
+    storage: str | None = None
+    prefetch: int = 2
+    repeats: int = 2
+    exit_after_plan: bool = False
+    sweep: bool = False
+    png: str | None = None
+    mode: str = "idle"  # idle -> capture / recompute / measure (while planning) -> planned
+    position: int = 0
+    sites: list[RegionSite] = field(default_factory=list)
+    plan: Plan | None = None
+    root: nn.Module | None = None
+    names: list[str] = field(default_factory=list)
+    _handle: Any = None
+    _candidate: list[str] | None = None
+    _head_marked: Callable[[], None] | None = None
+
+    # ---------------------------------------------------------------------------------- lifetime
+    def start(self) -> PlanSession:
+        """Check the arguments and route every region call to this session."""
+        _check_budget(self.budget)
+        expand_choices(self.choices, ("disk",))
+        engine.ROUTERS.append(self)
+        return self
+
+    def stop(self) -> None:
+        """Stop routing; regions run as the script asked again."""
+        if self in engine.ROUTERS:
+            engine.ROUTERS.remove(self)
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    # ---------------------------------------------------------------------------------- routing
+    def route(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              options: RegionOptions) -> Any:
+        if self.mode == "idle":
+            self._plan_now(function, args, kwargs, options)
+        index = self.position
+        self.position += 1
+        if self.mode == "capture":
+            return self._capture(index, function, args, kwargs, options)
+        if self.mode == "recompute":
+            return run_region_now(function, args, kwargs, RegionOptions())
+        choices = self._candidate if self.mode == "measure" else self.plan.choices  # type: ignore[union-attr]
+        if choices is None or index >= len(choices) or index >= len(self.sites):
+            return run_region_now(function, args, kwargs, RegionOptions())  # more regions than planned: safe
+        self.sites[index].calls += 1
+        return self.run_choice(self.sites[index], choices[index], function, args, kwargs)
+
+    def run_choice(self, site: RegionSite, choice: str, function: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """Run one region call as ``choice``."""
+        base, _, tier = choice.partition(":")
+        if base == "keep":
+            engine.STATS.forward(function)
+            return function(*args, **kwargs)
+        if base == "offload":
+            if site.scope is None or site.scope_tier != tier:
+                from ..storage import OffloadActivations
+
+                site.scope, site.scope_tier = OffloadActivations(storage=tier, prefetch=self.prefetch), tier
+            engine.STATS.forward(function)
+            with site.scope:
+                return function(*args, **kwargs)
+        if site.options is None or getattr(site, "_choice", None) != choice:
+            site.options, site._choice = choice_options(choice), choice  # type: ignore[attr-defined]
+        return run_region_now(function, args, kwargs, site.options)
+
+    def _reset_position(self, module: nn.Module, args: Any) -> None:
+        self.position = 0
+
+    # ---------------------------------------------------------------------------------- planning
+    def _capture(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 options: RegionOptions) -> Any:
+        site = self.sites[index] if index < len(self.sites) else None
+        if site is None:
+            owner = _owning_module(function)
+            site = RegionSite(function, owner, _dialect_of_caller(), _describe(options))
+            self.sites.append(site)
+        if site.captured is None:
+            site.captured = (*_map_untracked((args, kwargs)), _grad_flags((args, kwargs)))
+        output = run_region_now(function, args, kwargs, RegionOptions())
+        if self._head_marked is not None:
+            for leaf in structures.flatten(output)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(lambda grad, mark=self._head_marked: mark())
+                    break
+        return output
+
+    def _plan_now(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                  options: RegionOptions) -> None:
+        found = _model_on_stack()
+        if found is None:
+            self.stop()
+            raise PlanExit(2, "acshim run --budget: the first checkpointed region ran outside any nn.Module's forward, "
+                              "so there is no model to plan for; checkpoint blocks inside the model's forward (or "
+                              "drop --budget)")
+        root, root_args, root_kwargs = found
+        self.root = root
+        self._handle = root.register_forward_pre_hook(self._reset_position)
+        snapshot = _Snapshot(root)
+        try:
+            with _counters_paused():
+                self.plan = self._solve(root, root_args, root_kwargs)
+        except (BudgetTooSmall, ValueError) as error:
+            snapshot.restore()
+            self.stop()
+            hint = (f"; pass --budget {format_bytes(error.minimum).replace(' ', '')} or more"
+                    if isinstance(error, BudgetTooSmall) else "")
+            raise PlanExit(2, f"acshim run: --budget {self.budget}: {error}{hint}") from None
+        except BaseException:
+            snapshot.restore()
+            self.stop()
+            raise
+        snapshot.restore()
+        self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
+        print(self.summary(), file=sys.stderr, flush=True)
+        if self.exit_after_plan:
+            self.stop()
+            print(self.report())
+            raise PlanExit(0)
+
+    def _solve(self, root: nn.Module, root_args: tuple[Any, ...], root_kwargs: dict[str, Any]) -> Plan:
+        excluded = excluded_keys(root, (root_args, root_kwargs))
+
+        def step(tracker: LiveBytes | None = None) -> None:
+            self.position = 0
+            output = root(*root_args, **root_kwargs)
+            loss = default_loss(output)
+            del output
+            if tracker is not None:
+                tracker.mark("forward")
+            loss.backward()
+            del loss
+
+        # 1. one step, every region fully recomputed, inputs captured, memory outside the regions
+        tracker = LiveBytes(set(excluded))
+        self._head_marked = lambda: tracker.mark("head") if "head" not in tracker.marks else None
+        self.mode = "capture"
+        root.zero_grad(set_to_none=True)
+        with tracker:
+            step(tracker)
+            tracker.mark("end")
+        self._head_marked = None
+        if not self.sites:
+            raise ValueError("the model's step ran no checkpointed region")
+        series = tracker.series(grad_keys(root))
+        tracker.release()
+        held_full = series[tracker.marks["forward"] - 1]
+        head_end = tracker.marks.get("head", len(series))
+        other_peak = max(series[:max(head_end, tracker.marks["forward"])])
+        self.mode = "recompute"
+        root.zero_grad(set_to_none=True)
+        step_seconds = _timed(step, self.repeats)
+
+        # 2. each region alone, per choice
+        tiers = (self.storage,) if self.storage else (("disk",) if _device(root).type == "cpu" else ("host",))
+        choices = expand_choices(self.choices, tiers)
+        if "recompute" not in choices:
+            choices.append("recompute")
+        names = _site_names(root, self.sites)
+        self.names = names
+        profiles: list[BlockProfile] = []
+        measured: dict[Any, BlockProfile] = {}
+        for name, site in zip(names, self.sites, strict=True):
+            args, kwargs, flags = site.captured  # type: ignore[misc]
+            key = (_code_of(site.function), _block_key(site.owner if site.owner is not None else nn.Module(), args, kwargs))
+            if key in measured:
+                first = measured[key]
+                profiles.append(BlockProfile(name, dict(first.held), dict(first.transient), dict(first.seconds),
+                                             first.name))
+                continue
+            held, transient, seconds = {}, {}, {}
+            for choice in choices:
+                proxy = functools.partial(self._alone, site, choice)
+                root.zero_grad(set_to_none=True)
+                block_tracker = LiveBytes(excluded_keys(root, (args, kwargs)))
+                with block_tracker:
+                    _block_step(proxy, args, kwargs, flags, block_tracker)
+                    block_tracker.mark("end")
+                block_series = block_tracker.series(grad_keys(root))
+                block_tracker.release()
+                held[choice] = block_series[block_tracker.marks["forward"] - 1]
+                transient[choice] = max(block_series) - held[choice]
+                seconds[choice] = _timed(functools.partial(_block_step, proxy, args, kwargs, flags, None), self.repeats)
+            site.scope = None
+            measured[key] = BlockProfile(name, held, transient, seconds)
+            profiles.append(measured[key])
+        root.zero_grad(set_to_none=True)
+        profile = Profile(
+            blocks=profiles, choices=choices,
+            other_held=max(0, held_full - sum(p.held["recompute"] for p in profiles)),
+            other_transient=max(0, other_peak - held_full),
+            other_seconds=max(0.0, step_seconds - sum(p.seconds["recompute"] for p in profiles)),
+            signature=model_signature(root, [(n, s.owner if s.owner is not None else root)
+                                             for n, s in zip(names, self.sites, strict=True)]),
+            prefetch=self.prefetch, method=METHOD,
+            recompute_step={"held": held_full, "peak": max(series), "seconds": step_seconds})
+
+        # 3. solve, verify on one step of the model under the candidate plan
+        def measure(candidate: Plan) -> tuple[int, int]:
+            self.mode, self._candidate = "measure", candidate.choices
+            root.zero_grad(set_to_none=True)
+            tracker = LiveBytes(set(excluded))
+            with tracker:
+                step(tracker)
+                tracker.mark("end")
+            found = tracker.series(grad_keys(root))
+            tracker.release()
+            for site in self.sites:
+                site.scope = None
+            return found[tracker.marks["forward"] - 1], max(found)
+
+        return solve_within(profile, self.budget, measure)
+
+    def _alone(self, site: RegionSite, choice: str, *args: Any, **kwargs: Any) -> Any:
+        return self.run_choice(site, choice, site.function, args, kwargs)
+
+    # ---------------------------------------------------------------------------------- reporting
+    def summary(self) -> str:
+        """The one log line: what the plan replaced."""
+        plan = self.plan
+        assert plan is not None
+        asked: dict[str, int] = {}
+        for site in self.sites:
+            label = f"{site.dialect}: {site.asked}"
+            asked[label] = asked.get(label, 0) + 1
+        chosen: dict[str, int] = {}
+        for choice in plan.choices:
+            chosen[choice] = chosen.get(choice, 0) + 1
+        ratio = f" ({plan.measured_peak / plan.reference_peak:.2f}x no checkpointing)" \
+            if plan.reference_peak and plan.measured_peak is not None else ""
+        return (f"acshim: --budget {format_bytes(plan.budget)}: replaced {len(self.sites)} region(s) "
+                f"({', '.join(f'{n} {k}' for k, n in asked.items())}) by the plan "
+                f"({', '.join(f'{n} {c}' for c, n in chosen.items())}); predicted peak {format_bytes(plan.peak)}, "
+                f"measured {format_bytes(plan.measured_peak or 0)}{ratio}")
+
+    def report(self) -> str:
+        """``acshim plan``'s output: the plan table, with ``sweep`` the frontier and baselines."""
+        plan = self.plan
+        assert plan is not None
+        lines = [str(plan)]
+        if self.sweep:
+            lines += ["", frontier_table(plan)]
+            if self.png:
+                lines.append(write_png(plan, self.png))
+        return "\n".join(lines)
+
+
+def frontier_table(plan: Plan) -> str:
+    """The predicted memory vs step-time frontier, and uniform recipes beside it (predicted from the
+    same block profile: the model never runs without checkpointing)."""
+    ref_peak, ref_seconds = plan.reference_peak or 1, plan.reference_seconds or 1.0
+    rows = ["frontier (predicted from the block profile)",
+            f"{'budget':>12} {'peak':>12} {'peak x':>7} {'step ms':>9} {'step x':>7}  choices"]
+    for point in plan.frontier():
+        rows.append(f"{format_bytes(point.budget):>12} {format_bytes(point.peak):>12} {point.peak / ref_peak:>7.2f} "
+                    f"{point.seconds * 1e3:>9.1f} {point.seconds / ref_seconds:>7.2f}  {_counts(point.choices)}")
+    rows.append("baselines (every region the same, predicted)")
+    for label, choice in _baselines(plan.profile):
+        assignment = [choice] * len(plan.blocks)
+        peak, seconds = plan.profile.peak_of(assignment), plan.profile.seconds_of(assignment)
+        rows.append(f"{label:>12} {format_bytes(peak):>12} {peak / ref_peak:>7.2f} {seconds * 1e3:>9.1f} "
+                    f"{seconds / ref_seconds:>7.2f}  {choice}")
+    return "\n".join(rows)
+
+
+def _baselines(profile: Profile) -> list[tuple[str, str]]:
+    wanted = [("none", "keep"), ("recompute", "recompute"), ("selective", "selective")]
+    wanted += [("offload", c) for c in profile.choices if c.startswith("offload:")][:1]
+    return [(label, choice) for label, choice in wanted if choice in profile.choices]
+
+
+def write_png(plan: Plan, path: str) -> str:
+    """Plot the frontier and the baselines to ``path`` (needs matplotlib: ``pip install acshim[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--png {path}: matplotlib is not installed (pip install 'acshim[plot]'); no figure written"
+    ref_peak, ref_seconds = plan.reference_peak or 1, plan.reference_seconds or 1.0
+    points = plan.frontier()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot([p.peak / ref_peak for p in points], [p.seconds / ref_seconds for p in points], "o-", label="plan")
+    for label, choice in _baselines(plan.profile):
+        assignment = [choice] * len(plan.blocks)
+        axes.plot(plan.profile.peak_of(assignment) / ref_peak, plan.profile.seconds_of(assignment) / ref_seconds,
+                  "s", label=label)
+    axes.set_xlabel("peak activation memory / no checkpointing")
+    axes.set_ylabel("step time / no checkpointing")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return f"wrote {path}"
+
+
+def _counts(choices: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[choice] = counts.get(choice, 0) + 1
+    return ", ".join(f"{n} {c}" for c, n in counts.items())
+
+
+def _check_budget(budget: Any) -> None:
+    try:
+        parse_budget(budget, 1)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--budget {budget}: {error}") from None
+
+
+@contextlib.contextmanager
+def _counters_paused() -> Iterator[None]:
+    """Planning's own region runs stay out of ``STATS`` and ``--report``."""
+    stats = engine.STATS
+    forwards, recomputes, recorder = stats.forwards, stats.recomputes, stats.recorder
+    if recorder is not None:
+        recorder.paused = True
+    stats.recorder = None
+    try:
+        yield
+    finally:
+        stats.forwards, stats.recomputes, stats.recorder = forwards, recomputes, recorder
+        if recorder is not None:
+            recorder.paused = False
+
+
+class _Snapshot:
+    """Gradients, RNG state, buffers and train/eval mode of the model, put back after planning."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.grads = [(p, p.grad) for p in model.parameters()]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.rng = torch.get_rng_state()
+        self.training = model.training
+
+    def restore(self) -> None:
+        for param, grad in self.grads:
+            param.grad = grad
+        with torch.no_grad():
+            for buffer, value in self.buffers:
+                buffer.copy_(value)
+        torch.set_rng_state(self.rng)
+        self.model.train(self.training)
+
+
+_CALL_CODES = {nn.Module._call_impl.__code__, getattr(nn.Module, "_wrapped_call_impl", nn.Module._call_impl).__code__}
+
+
+def _model_on_stack() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | None:
+    """The outermost ``nn.Module`` call on this thread's stack that is not a data-parallel wrapper,
+    with the arguments it was called with."""
+    frame: types.FrameType | None = sys._getframe(1)
+    found = None
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module) and type(module).__name__ not in _WRAPPERS:
+                found = (module, tuple(frame.f_locals.get("args", ())), dict(frame.f_locals.get("kwargs", {})))
+        frame = frame.f_back
+    return found
+
+
+def _dialect_of_caller() -> str:
+    """Which API made the region call: the first facade module on the stack, else ``acshim``."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("acshim.facades."):
+            parts = name.split(".")
+            return "torch.sagemaker" if parts[2:4] == ["torch", "sagemaker"] else (
+                "torch checkpoint_wrapper" if parts[2] == "torch" else parts[2])
+        if name.startswith("acshim.hf"):
+            return "hf"
+        frame = frame.f_back
+    return "acshim"
+
+
+def _describe(options: RegionOptions) -> str:
+    if options.context_fn is not None:
+        return "selective"
+    kind = "reentrant recompute" if options.reentrant else "recompute"
+    return kind + (" + offload" if options.saved_tensors_scope is not None else "")
+
+
+def _site_names(root: nn.Module, sites: list[RegionSite]) -> list[str]:
+    names = {id(module): name for name, module in root.named_modules()}
+    out = []
+    for index, site in enumerate(sites):
+        name = names.get(id(site.owner)) if site.owner is not None else None
+        out.append(name if name else f"region{index}:{getattr(site.function, '__qualname__', 'fn')}"[:40])
+    return out
+
+
+def _code_of(function: Callable[..., Any]) -> Any:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return getattr(function, "__code__", None) or getattr(getattr(function, "__func__", None), "__code__", None) \
+        or type(function)
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters(), torch.empty(0)).device

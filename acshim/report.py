@@ -1,0 +1,238 @@
+"""``acshim run --report``: is checkpointing working? Per region and per dialect, what ran, and the
+settings that silently do nothing.
+
+A ``RegionRecorder`` set as ``acshim.region.STATS.recorder`` sees every region call
+(``call``: which API made it, the input bytes it keeps for the recompute, ``use_cache``, nesting) and
+the engine's forwards and recomputes; it collects every storage-tier session (bytes moved per tier,
+prefetch hits and waits). ``render()`` is printed at exit by ``acshim.patching.runner``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import structures
+from .state import state
+
+_DEEPSPEED = "acshim.facades.deepspeed.runtime.activation_checkpointing.checkpointing"
+
+
+@dataclass
+class RegionEntry:
+    """One region (a module, or one function's code) and what it did."""
+
+    name: str
+    dialect: str
+    forwards: int = 0
+    recomputes: int = 0
+    held: int = 0
+    """Bytes of the input tensors the region keeps for its recompute (largest call)."""
+    nested_in: str | None = None
+
+
+@dataclass
+class RegionRecorder:
+    """Collects what ``render`` reports (see the module docstring)."""
+
+    entries: dict[Any, RegionEntry] = field(default_factory=dict)
+    sessions: list[tuple[Any, str]] = field(default_factory=list)
+    use_cache: list[str] = field(default_factory=list)
+    current: RegionEntry | None = None
+    paused: bool = False
+    """Set while ``--budget`` plans: its profiling runs are not the script's."""
+    _class_counts: dict[str, int] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------------------------- events
+    def call(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: Any) -> None:
+        entry = self._entry(function, create=True)
+        assert entry is not None
+        self.current = entry
+        entry.held = max(entry.held, _input_bytes(args, kwargs))
+        if _asks_for_cache(function, kwargs) and entry.name not in self.use_cache:
+            self.use_cache.append(entry.name)
+        if state.is_checkpointing and not state.is_recomputing and entry.nested_in is None:
+            outer = _outer_region(function)
+            outer_entry = self._entry(outer, create=False) if outer is not None else None
+            entry.nested_in = outer_entry.name if outer_entry is not None else "another region"
+
+    def forward(self, function: Callable[..., Any]) -> None:
+        entry = self._entry(function, create=True)
+        if entry is not None:
+            entry.forwards += 1
+
+    def recompute(self, function: Callable[..., Any]) -> None:
+        entry = self._entry(function, create=True)
+        if entry is not None:
+            entry.recomputes += 1
+
+    def session_started(self, session: Any) -> None:
+        if self.paused:
+            return
+        self.sessions.append((session, self.current.name if self.current is not None else "(outside regions)"))
+
+    def _entry(self, function: Callable[..., Any], *, create: bool) -> RegionEntry | None:
+        owner, key = _identity(function)
+        entry = self.entries.get(key)
+        if entry is None and create:
+            label = type(owner).__name__ if owner is not None else getattr(_unwrapped(function), "__qualname__", "fn")
+            count = self._class_counts.get(label, 0)
+            self._class_counts[label] = count + 1
+            entry = self.entries[key] = RegionEntry(f"{label}#{count}", _dialect_of_caller())
+        return entry
+
+    # ---------------------------------------------------------------------------------- output
+    def warnings(self) -> list[str]:
+        """Settings that silently do nothing."""
+        out = []
+        ran = {entry.dialect for entry in self.entries.values() if entry.forwards}
+        deepspeed = sys.modules.get(_DEEPSPEED)
+        blocks = getattr(deepspeed, "CONFIG_BLOCKS", [])
+        if blocks and "deepspeed" not in ran:
+            out.append(f"DeepSpeed config {blocks[-1]} has an activation_checkpointing block, but nothing called "
+                       "deepspeed.checkpointing.checkpoint: the block does nothing (checkpoint the blocks with "
+                       "deepspeed.checkpointing.checkpoint, or drop the block)")
+        if deepspeed is not None and getattr(deepspeed, "is_configured", lambda: False)() \
+                and deepspeed.STATE.CPU_CHECKPOINT and "deepspeed" not in ran:
+            others = ", ".join(sorted(ran)) or "none"
+            out.append(f"cpu_checkpointing is on, but no DeepSpeed checkpoint ran (regions that ran: {others}); "
+                       "only deepspeed.checkpointing.checkpoint reads it, as upstream")
+        for entry in self.entries.values():
+            if entry.nested_in is not None:
+                out.append(f"checkpointing requested twice: region {entry.name} ({entry.dialect}) runs inside region "
+                           f"{entry.nested_in}; its block is recomputed twice in backward (checkpoint it once)")
+        if self.use_cache:
+            out.append(f"use_cache=True during checkpointed training (regions {', '.join(self.use_cache[:3])}): the "
+                       "cache is dropped in every region and only costs memory; set model.config.use_cache = False")
+        return out
+
+    def render(self) -> str:
+        rows = ["acshim report: regions",
+                f"  {'region':<28} {'dialect':<26} {'forwards':>8} {'recomputes':>10} {'held (inputs)':>14}"]
+        for entry in self.entries.values():
+            rows.append(f"  {entry.name:<28} {entry.dialect:<26} {entry.forwards:>8} {entry.recomputes:>10} "
+                        f"{_mib(entry.held):>14}")
+        if not self.entries:
+            rows.append("  (no region ran)")
+        per_dialect: dict[str, list[int]] = {}
+        for entry in self.entries.values():
+            totals = per_dialect.setdefault(entry.dialect, [0, 0, 0, 0])
+            totals[0] += 1
+            totals[1] += entry.forwards
+            totals[2] += entry.recomputes
+            totals[3] += entry.held
+        rows.append("acshim report: per dialect")
+        for dialect, (regions, forwards, recomputes, held) in per_dialect.items():
+            rows.append(f"  {dialect:<26} {regions} region(s), {forwards} forwards, {recomputes} recomputes, "
+                        f"inputs held {_mib(held)} per step")
+        tiers: dict[str, list[float]] = {}
+        for session, _ in self.sessions:
+            stats = session.stats
+            totals = tiers.setdefault(stats.storage, [0, 0, 0, 0.0])
+            totals[0] += stats.moved_bytes
+            totals[1] += stats.fetched - stats.late
+            totals[2] += stats.late
+            totals[3] += stats.wait_seconds
+        rows.append("acshim report: offloaded")
+        for tier, (moved, hits, waits, seconds) in tiers.items():
+            rows.append(f"  {tier:<6} {_mib(moved)} moved, prefetch hits {int(hits)}, waits {int(waits)} "
+                        f"({seconds * 1e3:.1f} ms)")
+        if not tiers:
+            rows.append("  nothing (no storage tier was used)")
+        notes = self.warnings()
+        rows.append("acshim report: settings that do nothing" + ("" if notes else ": none found"))
+        rows += [f"  - {note}" for note in notes]
+        return "\n".join(rows)
+
+
+class _SessionList(list):  # type: ignore[type-arg]
+    """Handed to the storage tier's recorders: each new session is attributed to the current region."""
+
+    def __init__(self, recorder: RegionRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def append(self, session: Any) -> None:
+        self.recorder.session_started(session)
+
+
+def start() -> RegionRecorder:
+    """Install a recorder (idempotent) and return it."""
+    from .region import STATS
+
+    if STATS.recorder is None:
+        STATS.recorder = RegionRecorder()
+        from .storage import session as storage_session
+
+        storage_session._recorders.append(_SessionList(STATS.recorder))
+    return STATS.recorder
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _unwrapped(function: Any) -> Any:
+    while hasattr(function, "func") and hasattr(function, "keywords"):
+        function = function.func
+    return function
+
+
+def _identity(function: Callable[..., Any]) -> tuple[torch.nn.Module | None, Any]:
+    from .region import _owning_module
+
+    owner = _owning_module(function)
+    if owner is not None:
+        return owner, ("module", id(owner))
+    inner = _unwrapped(function)
+    return None, ("code", getattr(inner, "__code__", None) or id(inner))
+
+
+def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    seen, total = set(), 0
+    for leaf in structures.flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, torch.nn.Parameter) \
+                and leaf.layout == torch.strided and leaf.device.type != "meta":
+            storage = leaf.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                total += storage.nbytes()
+    return total
+
+
+def _asks_for_cache(function: Any, kwargs: dict[str, Any]) -> bool:
+    if kwargs.get("use_cache") is True:
+        return True
+    while hasattr(function, "func") and hasattr(function, "keywords"):
+        if function.keywords.get("use_cache") is True:
+            return True
+        function = function.func
+    return False
+
+
+def _outer_region(function: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The callable of the region whose forward is running further up the stack."""
+    from .region import _ReentrantRegion, _RegionCall
+
+    codes = {_RegionCall.__call__.__code__: "self", _ReentrantRegion.forward.__code__: "spec"}
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None:
+        slot = codes.get(frame.f_code)
+        if slot is not None:
+            holder = frame.f_locals.get(slot)
+            outer = getattr(holder, "function", None)
+            if outer is not None and outer is not function:
+                return outer
+        frame = frame.f_back
+    return None
+
+
+def _dialect_of_caller() -> str:
+    from .planner.session import _dialect_of_caller as dialect
+
+    return dialect()
