@@ -97,8 +97,9 @@ class RegionRecorder:
             out.append(f"DeepSpeed config {blocks[-1]} has an activation_checkpointing block, but nothing called "
                        "deepspeed.checkpointing.checkpoint: the block does nothing (checkpoint the blocks with "
                        "deepspeed.checkpointing.checkpoint, or drop the block)")
-        if deepspeed is not None and getattr(deepspeed, "is_configured", lambda: False)() \
-                and deepspeed.STATE.CPU_CHECKPOINT and "deepspeed" not in ran:
+        cpu_checkpoint = any(getattr(sys.modules.get(name), "CPU_CHECKPOINT", False) is True
+                             for name in (_DEEPSPEED, "deepspeed.runtime.activation_checkpointing.checkpointing"))
+        if cpu_checkpoint and "deepspeed" not in ran:
             others = ", ".join(sorted(ran)) or "none"
             out.append(f"cpu_checkpointing is on, but no DeepSpeed checkpoint ran (regions that ran: {others}); "
                        "only deepspeed.checkpointing.checkpoint reads it, as upstream")
@@ -174,7 +175,7 @@ def start() -> RegionRecorder:
 
 
 def _mib(size: float) -> str:
-    return f"{size / 2**20:.1f} MiB"
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
 
 
 def _unwrapped(function: Any) -> Any:

@@ -25,8 +25,8 @@ def parse_budget(budget: int | float | str, reference_bytes: int | None = None) 
             raise ValueError(f"cannot parse budget {budget!r}; use bytes (123456), a size ('1.5GiB', '800MB') "
                              "or a fraction of the memory without checkpointing ('0.3')")
         number, unit = float(match.group(1)), match.group(2).lower()
-        if unit == "" and "." in match.group(1) and number <= 1:
-            return parse_budget(number, reference_bytes)
+        if unit == "" and ("." in match.group(1) or "e" in match.group(1).lower()):
+            return parse_budget(number, reference_bytes)  # a fraction (a float above 1 is refused there)
         budget = number * _UNITS[unit]
         if budget <= 0 or not math.isfinite(budget):
             raise ValueError(f"budget must be positive, got {budget!r}")

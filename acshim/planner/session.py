@@ -455,17 +455,22 @@ def _model_on_stack() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | Non
     return found
 
 
+_ENGINE_MODULES = ("acshim.region", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
+                   "acshim.wrap", "acshim.structures", "torch.", "functools", "contextlib")
+
+
 def _dialect_of_caller() -> str:
-    """Which API made the region call: the first facade module on the stack, else ``acshim``."""
+    """Which API made the region call: the nearest caller outside the engine (and torch) is a facade
+    (its dialect), ``acshim.hf`` (``hf``) or anything else (``acshim``)."""
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith("acshim.facades."):
-            parts = name.split(".")
-            return "torch.sagemaker" if parts[2:4] == ["torch", "sagemaker"] else (
-                "torch checkpoint_wrapper" if parts[2] == "torch" else parts[2])
-        if name.startswith("acshim.hf"):
-            return "hf"
+        if not (name.startswith(_ENGINE_MODULES) or name == "torch"):
+            if name.startswith("acshim.facades."):
+                parts = name.split(".")
+                return "torch.sagemaker" if parts[2:4] == ["torch", "sagemaker"] else (
+                    "torch checkpoint_wrapper" if parts[2] == "torch" else parts[2])
+            return "hf" if name.startswith("acshim.hf") else "acshim"
         frame = frame.f_back
     return "acshim"
 

@@ -1,0 +1,169 @@
+"""``acshim run --budget``, ``acshim plan`` and ``acshim run --report`` on unchanged scripts (subprocess:
+the patches and the plan router are process-wide)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+MODEL = """
+import json, sys, torch
+import acshim
+from acshim.testing import GPT, GPTBlock, seeded, train_step
+def build():
+    return seeded(lambda: GPT(layers=4, width=64, heads=4, seq=32, vocab=128))
+ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+"""
+
+CHECKPOINT_WRAPPER = MODEL + """
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+reference = train_step(build(), ids, seed=7)          # no checkpointing: no region, nothing planned
+model = build()
+apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPTBlock))
+for step in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
+    got = train_step(model, ids, seed=7)
+    print("trained step", step, flush=True)
+got = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in got.items()}  # torch's wrapper prefix
+equal = set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
+routers = acshim.region.ROUTERS
+result = {"equal": equal}
+if routers:
+    from acshim.planner import measure_step
+    result["peak"] = measure_step(model, ids)[1]
+    result["budget"] = routers[0].plan.budget
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _acshim(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "acshim", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _result(stdout: str) -> dict:
+    line = [line for line in stdout.splitlines() if line.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_run_budget_replaces_checkpoint_wrapper_recipe_gradients_bitwise_peak_within(tmp_path: Path) -> None:
+    script = _script(tmp_path, CHECKPOINT_WRAPPER)
+    done = _acshim("run", "--budget", "0.45", str(script), "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "replaced" in line]
+    assert len(lines) == 1, done.stderr  # one log line
+    assert "replaced 4 region(s) (4 torch checkpoint_wrapper: recompute) by the plan" in lines[0]
+    result = _result(done.stdout)
+    assert result["equal"], result  # dropout on, same seed: bitwise equal to no checkpointing
+    assert result["peak"] <= result["budget"], result
+
+
+def test_plan_prints_table_and_frontier_and_exits_before_training_on(tmp_path: Path) -> None:
+    script = _script(tmp_path, CHECKPOINT_WRAPPER)
+    done = _acshim("plan", "--budget", "2MiB", "--sweep", "--", str(script), "5", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "trained step" not in done.stdout  # stopped inside the first step
+    out = done.stdout.splitlines()
+    assert out[0] == "acshim plan: budget 2.0 MiB (peak activation memory)"
+    rows = {m.group(1): m.group(2) for line in out if (m := re.match(r"^(h\.\d)\S*\s+(\S+)", line))}
+    assert sorted(rows) == ["h.0", "h.1", "h.2", "h.3"]
+    known = ("keep", "selective", "selective-alt", "recompute", "offload:disk", "recompute+offload:disk")
+    assert set(rows.values()) <= set(known)
+    predicted = re.search(r"predicted: held .*, peak ([\d.]+) MiB", done.stdout)
+    assert predicted and float(predicted.group(1)) <= 2.0
+    start = out.index("frontier (predicted from the block profile)")
+    end = out.index("baselines (every region the same, predicted)")
+    points = [line.split() for line in out[start + 2:end]]
+    assert len(points) >= 3
+    steps = [float(p[5]) for p in points]  # step ms column
+    assert steps == sorted(steps, reverse=True)  # more memory, never slower
+    assert any(line.strip().startswith("none") for line in out[end:])
+
+
+DEEPSPEED_CONFIG_ONLY = MODEL + """
+import deepspeed
+deepspeed.checkpointing.configure(None, deepspeed_config={
+    "train_batch_size": 2, "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True}})
+model = build()
+model.gradient_checkpointing = True   # the script believes the config checkpoints its blocks
+acshim.apply_checkpointing(model)     # but only acshim's own regions run
+for step in range(2):
+    train_step(model, ids)
+"""
+
+
+def test_report_flags_deepspeed_config_block_nothing_reads(tmp_path: Path) -> None:
+    script = _script(tmp_path, DEEPSPEED_CONFIG_ONLY)
+    done = _acshim("run", "--report", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "DeepSpeed config a dict has an activation_checkpointing block, but nothing called " \
+           "deepspeed.checkpointing.checkpoint" in done.stderr
+    assert "cpu_checkpointing is on, but no DeepSpeed checkpoint ran (regions that ran: acshim)" in done.stderr
+
+
+NESTED_AND_CACHE = MODEL + """
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+model = build()
+apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPTBlock))
+for step in range(2):
+    train_step(model, ids)
+"""
+
+
+def test_report_counts_regions_per_dialect_and_finds_nothing_wrong(tmp_path: Path) -> None:
+    script = _script(tmp_path, NESTED_AND_CACHE)
+    done = _acshim("run", "--report", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "acshim: 8 region forwards, 8 recomputes" in err
+    rows = re.findall(r"^\s+(GPTBlock#\d)\s+torch checkpoint_wrapper\s+(\d+)\s+(\d+)\s+([\d.]+) (?:KiB|MiB)", err, re.M)
+    assert [(r[0], r[1], r[2]) for r in rows] == [(f"GPTBlock#{i}", "2", "2") for i in range(4)]
+    assert all(float(r[3]) > 0 for r in rows)  # each keeps its input for the recompute
+    assert "torch checkpoint_wrapper   4 region(s), 8 forwards, 8 recomputes" in err
+    assert "nothing (no storage tier was used)" in err
+    assert "settings that do nothing: none found" in err
+
+
+def test_report_flags_a_block_checkpointed_twice(tmp_path: Path) -> None:
+    script = _script(tmp_path, NESTED_AND_CACHE.replace(
+        "for step in range(2):", "acshim.apply_checkpointing(model, 'h.*.fc')\nfor step in range(2):"))
+    done = _acshim("run", "--report", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"checkpointing requested twice: region Linear#\d \(acshim\) runs inside region GPTBlock#\d",
+                     done.stderr), done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["run", "--budget", "0", "train.py"], "acshim run: argument --budget 0: budget must be positive"),
+    (["run", "--budget", "lots", "train.py"], "acshim run: argument --budget lots: cannot parse budget 'lots'"),
+    (["run", "--budget", "-1GiB", "train.py"], "acshim run: argument --budget -1GiB: cannot parse budget"),
+    (["run", "--budget", "2.5", "train.py"], "acshim run: argument --budget 2.5: a float budget is a fraction in (0, 1]"),
+    (["run", "--budget"], "acshim run: argument --budget: expected a value"),
+    (["run", "--storage", "disk", "train.py"], "--storage chooses the offload tier of a --budget plan; add --budget"),
+    (["plan", "train.py"], "acshim plan: argument --budget is required"),
+    (["plan", "--budget", "1GiB", "--storage", "tape", "train.py"], "argument --storage: expected host or disk"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(tmp_path: Path, args: list[str], message: str) -> None:
+    _script(tmp_path, "raise SystemExit('the script must not run')\n")
+    done = _acshim(*args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert message in done.stderr, done.stderr
+
+
+def test_script_without_regions_under_budget_exits_2(tmp_path: Path) -> None:
+    script = _script(tmp_path, MODEL + "train_step(build(), ids)\nprint('trained')\n")
+    done = _acshim("run", "--budget", "0.5", str(script), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "trained" in done.stdout
+    assert "--budget 0.5: the script ran no checkpointed region" in done.stderr
