@@ -32,7 +32,10 @@ PARALLEL_RUNS = min(3, os.cpu_count() or 2)
 TIMEOUT_SECONDS = 600
 
 # Examples whose plain-upstream run is not bitwise equal to the checkpoint-free run, and why.
-UPSTREAM_NOT_BITWISE: dict[str, str] = {}
+UPSTREAM_NOT_BITWISE: dict[str, str] = {
+    "modalities_activation_checkpointing": "the real Modalities wraps with preserve_rng_state=False, so with the "
+    "example's dropout its recompute draws other masks (acshim preserves RNG; tests/facades/test_modalities_upstream.py)",
+}
 
 # What a launcher does before the script under the real library: DeepSpeed's checkpointing needs
 # its communication backend up (``deepspeed.init_distributed()``) before ``configure`` /
