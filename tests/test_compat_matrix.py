@@ -214,6 +214,34 @@ def test_session_fails_when_a_claiming_rows_test_fails(tmp_path: Path) -> None:
     assert "fairscale.nn.checkpoint_wrapper'" not in result.stdout  # its test passed
 
 
+def test_a_skip_for_an_absent_upstream_api_counts_as_not_run(tmp_path: Path) -> None:
+    """A test skipped because the installed upstream lacks the API ("absent upstream: ...", as
+    tests/hf does for 5.x-only names on transformers 4.x) does not fail its row; other skips do."""
+    project = tmp_path / "project"
+    (project / "tests").mkdir(parents=True)
+    (project / "tests" / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (project / "tests" / "test_t.py").write_text(textwrap.dedent("""
+        import pytest
+        @pytest.mark.skipif(True, reason="absent upstream: this version has no such API")
+        def test_a(): pass
+        def test_b(): pytest.skip("absent upstream: skipped inside the test")
+        @pytest.mark.skip(reason="upstream absent, worded otherwise")
+        def test_c(): pass
+    """))
+    rows = GOOD_ROW.replace("tests/t.py::test_a", "tests/test_t.py::test_a")
+    rows += GOOD_ROW.replace("tests/t.py::test_a", "tests/test_t.py::test_b").replace("checkpoint_wrapper", "b")
+    rows += GOOD_ROW.replace("tests/t.py::test_a", "tests/test_t.py::test_c").replace("checkpoint_wrapper", "c")
+    matrix = _write_matrix(project / "compat_matrix", rows)
+    (project / "pytest.ini").write_text("[pytest]\n")
+    env = {**_clean_env(), compat.ENVIRONMENT_VARIABLE: str(matrix)}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+                            cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "3 skipped" in result.stdout
+    assert "claims 'better' but tests/test_t.py::test_c skipped" in result.stdout
+    assert "test_t.py::test_a skipped" not in result.stdout and "test_t.py::test_b skipped" not in result.stdout
+
+
 def _clean_env() -> dict[str, str]:
     import os
 
