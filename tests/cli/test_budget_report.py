@@ -167,3 +167,38 @@ def test_script_without_regions_under_budget_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "trained" in done.stdout
     assert "--budget 0.5: the script ran no checkpointed region" in done.stderr
+
+
+TRAINER = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                   bos_token_id=0, eos_token_id=0))
+g = torch.Generator().manual_seed(1)
+data = [{"input_ids": torch.randint(0, 128, (32,), generator=g), "labels": torch.randint(0, 128, (32,), generator=g)}
+        for _ in range(8)]
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=2, report_to=[], use_cpu=True,
+                         save_strategy="no", gradient_checkpointing=sys.argv[1] == "gc", seed=0)
+Trainer(model=model, args=args, train_dataset=data).train()
+torch.save(model.state_dict(), sys.argv[2])
+"""
+
+
+def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_path: Path) -> None:
+    """An unchanged Trainer script (gradient_checkpointing=True, dropout on) under --budget: its
+    blocks follow the plan, and the weights after two optimizer steps are bitwise those of the run
+    without checkpointing."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    script = _script(tmp_path, TRAINER)
+    plain = subprocess.run([sys.executable, str(script), "off", "plain.pt"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    planned = _acshim("run", "--budget", "0.5", str(script), "gc", "planned.pt", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert re.search(r"acshim: --budget .*replaced 4 region\(s\) \(4 hf: recompute\) by the plan", planned.stderr)
+    import torch
+
+    reference, got = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "planned.pt")
+    assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
