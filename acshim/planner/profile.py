@@ -27,6 +27,7 @@ from .. import structures
 from ..apply import _APPLIED
 from ..blocks import find_blocks
 from ..measure import default_loss
+from ..region_state import region_inputs
 from .choices import install
 from .tracker import LiveBytes, excluded_keys, grad_keys
 
@@ -220,6 +221,9 @@ def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     def capture(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if name not in captured and torch.is_grad_enabled():
+                # what a region of this block receives: a Hugging Face cache dropped (a block run
+                # again on a captured cache would extend it and backpropagate into a freed graph)
+                args, kwargs = region_inputs(module.forward, tuple(args), dict(kwargs))
                 captured[name] = (*_map_untracked((args, kwargs)), _grad_flags((args, kwargs)))
         return hook
 
