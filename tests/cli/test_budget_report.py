@@ -202,3 +202,14 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
 
     reference, got = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "planned.pt")
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
+
+
+def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
+    """``--png`` with the optional 'plot' extra: a PNG of the frontier with the baselines beside it."""
+    pytest.importorskip("matplotlib")
+    script = _script(tmp_path, CHECKPOINT_WRAPPER)
+    done = _acshim("plan", "--budget", "2MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    png = (tmp_path / "frontier.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "frontier.png" in done.stdout
