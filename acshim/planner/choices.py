@@ -28,8 +28,9 @@ BASE_CHOICES = ("keep", "selective", "selective-alt", "recompute", "offload", "r
 """``keep``: no checkpointing. ``selective``: recompute all but matmul/attention outputs.
 ``selective-alt``: as ``selective`` but only every other matmul is saved. ``recompute``: full
 recompute from the block's input. ``offload``: no recompute, every saved tensor of the block goes to
-the storage tier (prefetched back). ``recompute+offload``: full recompute, the block's input goes
-to the storage tier."""
+the storage tier (prefetched back); the offloaded blocks of one model share one schedule, as one
+``acshim.offload()`` around the whole step would. ``recompute+offload``: full recompute, the
+block's input goes to the storage tier."""
 
 DESCRIPTIONS = {
     "keep": "no checkpointing",
@@ -55,15 +56,54 @@ def expand_choices(choices: tuple[str, ...] | list[str], tiers: tuple[str, ...])
     return list(dict.fromkeys(out))
 
 
+class SharedOffload:
+    """One offload schedule shared by every ``offload`` block of a model: each saved tensor is one
+    group of a single session, so only the step's last ``prefetch`` tensors stay resident when
+    forward ends and backward prefetches across block boundaries, exactly as one
+    ``acshim.offload(storage, prefetch)`` around the whole forward. One block's offload scope alone
+    (a session per block) kept the last ``prefetch`` tensors of *every* block resident instead."""
+
+    def __init__(self, storage: str, prefetch: int) -> None:
+        from ..storage.scopes import _Options
+
+        self.storage, self.prefetch = storage, prefetch
+        options = _Options(storage, prefetch, None, None, None, None, None)
+        self.session = options.session(options.tier(), per_tensor_groups=True)
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> SharedOffload:
+        from torch.autograd.graph import saved_tensors_hooks
+
+        hooks = saved_tensors_hooks(self.session.pack, self.session.unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        self._hooks.pop().__exit__(exc_type, exc, traceback)
+        if exc_type is None:
+            self.session.forward_end()  # a failed write is raised by the block that made it
+
+    def flush(self) -> None:
+        """Send out the resident window (what the next offloaded block's saves would push out)."""
+        for _ in range(max(1, self.prefetch)):
+            self.session.start_group()
+        self.session.forward_end()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copies get a fresh schedule (pickle's memo keeps one per model when blocks go together).
+        return (SharedOffload, (self.storage, self.prefetch))
+
+
 class OffloadedForward(CheckpointedForward):
-    """The instance ``forward`` of a block whose saved tensors go to a storage tier (no recompute)."""
+    """The instance ``forward`` of a block whose saved tensors go to a storage tier (no recompute),
+    through ``scope`` (a ``SharedOffload``, shared with the model's other offloaded blocks)."""
 
-    def __init__(self, module: nn.Module, storage: str, prefetch: int, replaced: Any = _MISSING) -> None:
-        from ..storage import OffloadActivations
-
+    def __init__(self, module: nn.Module, storage: str, prefetch: int, replaced: Any = _MISSING,
+                 scope: SharedOffload | None = None) -> None:
         super().__init__(module, RegionOptions(), replaced)
         self.storage, self.prefetch = storage, prefetch
-        self.scope = OffloadActivations(storage=storage, prefetch=prefetch)
+        self.scope = scope if scope is not None else SharedOffload(storage, prefetch)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -74,10 +114,11 @@ class OffloadedForward(CheckpointedForward):
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedForward:
         new_module = copy.deepcopy(self.module, memo)
         replaced = self.replaced if self.replaced is _MISSING else copy.deepcopy(self.replaced, memo)
-        return OffloadedForward(new_module, self.storage, self.prefetch, replaced)
+        return OffloadedForward(new_module, self.storage, self.prefetch, replaced,
+                                copy.deepcopy(self.scope, memo))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (OffloadedForward, (self.module, self.storage, self.prefetch, self.replaced))
+        return (OffloadedForward, (self.module, self.storage, self.prefetch, self.replaced, self.scope))
 
 
 def choice_options(choice: str) -> RegionOptions:
@@ -100,8 +141,15 @@ def choice_options(choice: str) -> RegionOptions:
     return options
 
 
-def install(block: nn.Module, choice: str, prefetch: int = 2) -> None:
-    """Make ``block`` run as ``choice`` (in place; ``keep`` removes a region the planner installed)."""
+def is_offload(choice: str) -> bool:
+    """True for the choices whose saved tensors go through the model's shared offload schedule."""
+    return choice.partition(":")[0] == "offload"
+
+
+def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, SharedOffload] | None = None) -> None:
+    """Make ``block`` run as ``choice`` (in place; ``keep`` removes a region the planner installed).
+    ``shared``: tier -> ``SharedOffload`` of the model (filled in as needed); pass one dict for all the
+    blocks of a model so its offloaded blocks share one schedule."""
     base, _, tier = choice.partition(":")
     existing = checkpointed_forward_of(block)
     if existing is not None:
@@ -111,7 +159,12 @@ def install(block: nn.Module, choice: str, prefetch: int = 2) -> None:
         return
     if base == "offload":
         replaced = block.__dict__.get("forward", _MISSING)
-        block.forward = OffloadedForward(block, tier, prefetch, replaced)
+        scope = None
+        if shared is not None:
+            scope = shared.get(tier)
+            if scope is None or scope.prefetch != prefetch:
+                scope = shared[tier] = SharedOffload(tier, prefetch)
+        block.forward = OffloadedForward(block, tier, prefetch, replaced, scope)
     else:
         options = choice_options(choice)
         checkpoint_module(block, options)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..blocks import find_blocks
 from .budget import format_bytes, parse_budget
-from .choices import BASE_CHOICES, expand_choices, install
+from .choices import BASE_CHOICES, SharedOffload, expand_choices, install
 from .profile import ModelState, Profile, measure_step, model_signature, profile_model
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
 
@@ -58,8 +58,9 @@ class Plan:
         """Install the plan on ``model`` in place; returns the names of the blocks made regions. A
         model other than the one planned for raises ``ValueError`` and is left untouched."""
         blocks = self._blocks_of(model)
+        shared: dict[str, SharedOffload] = {}  # the offloaded blocks share one schedule per tier
         for (_, block), choice in zip(blocks, self.choices, strict=True):
-            install(block, choice, self.profile.prefetch)
+            install(block, choice, self.profile.prefetch, shared)
         return [name for name, choice in zip(self.blocks, self.choices, strict=True) if choice != "keep"]
 
     def _blocks_of(self, model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -6,7 +6,14 @@
 2. Each block alone, per choice, on its captured input: bytes held when its forward ends, the
    transient above that during its recompute and backward, and its forward+backward time (fastest of
    ``repeats`` untracked runs). Blocks with the same class, parameter shapes and input shapes share
-   one measurement.
+   one measurement. The block's input counts only if the block keeps it (it is a non-leaf there, as
+   in the model) and the incoming gradient only from backward on: in the model, a block's output is
+   the next block's input, counted once.
+   ``offload`` is measured in context: two copies of the block through one shared schedule, its
+   resident window sent out before forward ends as the next offloaded block would (and a second run
+   keeping it, for the last offloaded block), so its held bytes, its transient with the previous
+   block's tensors prefetched, its disk traffic and its time are those of a block among offloaded
+   blocks, not of a block alone (which kept its last tensors resident and never wrote them).
 The model's gradients, RNG state and forwards are restored afterwards.
 """
 
@@ -15,7 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +35,8 @@ from ..apply import _APPLIED
 from ..blocks import find_blocks
 from ..measure import default_loss
 from ..region_state import region_inputs
-from .choices import install
-from .tracker import LiveBytes, excluded_keys, grad_keys
+from .choices import SharedOffload, install, is_offload
+from .tracker import LiveBytes, excluded_keys, grad_keys, storage_key
 
 METHOD = ("measured block by block: one step with every block fully recomputed captured each block's input, "
           "then each block ran alone per choice")
@@ -38,13 +45,16 @@ METHOD = ("measured block by block: one step with every block fully recomputed c
 @dataclass
 class BlockProfile:
     """Measurements of one block: per choice, bytes held after forward, transient bytes above that
-    during its backward (recompute included), and forward+backward seconds."""
+    during its backward (recompute included), and forward+backward seconds. ``window``: for the
+    ``offload`` choices, the bytes of the shared schedule's resident window (its last tensors, kept
+    until backward when no offloaded block follows; prefetched ahead into the blocks before it)."""
 
     name: str
     held: dict[str, int]
     transient: dict[str, int]
     seconds: dict[str, float]
     shared_with: str | None = None
+    window: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,13 +71,23 @@ class Profile:
     method: str = METHOD
     recompute_step: dict[str, float] = field(default_factory=dict)
 
+    def window(self) -> int:
+        """Bytes of the shared offload schedule's resident window (largest over blocks), 0 without
+        an offload choice."""
+        return max((size for b in self.blocks for c, size in b.window.items() if is_offload(c)), default=0)
+
     def peak_of(self, assignment: list[str]) -> int:
-        """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes."""
+        """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes;
+        after the first offloaded block, the shared schedule's window is resident too (an offloaded
+        block's own transient includes it: it was measured among offloaded blocks)."""
+        window, seen = self.window(), False
         prefix, worst = 0, 0
         for block, choice in zip(self.blocks, assignment, strict=True):
             prefix += block.held[choice]
-            worst = max(worst, prefix + block.transient[choice])
-        return self.other_held + max(worst, prefix + self.other_transient)
+            extra = window if seen and not is_offload(choice) else 0
+            worst = max(worst, prefix + block.transient[choice] + extra)
+            seen = seen or is_offload(choice)
+        return self.other_held + max(worst, prefix + self.other_transient + (window if seen else 0))
 
     def held_of(self, assignment: list[str]) -> int:
         return self.other_held + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
@@ -167,27 +187,83 @@ def measure_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.T
     return series[tracker.marks["forward"] - 1] if tracker.marks["forward"] else 0, max(series, default=0)
 
 
-def _block_step(block: nn.Module, args: Any, kwargs: Any, flags: list[bool], tracker: LiveBytes | None) -> None:
+def _block_step(block: Callable[..., Any], args: Any, kwargs: Any, flags: list[bool], tracker: LiveBytes | None,
+                copies: int = 1, before_mark: Callable[[], None] | None = None,
+                frozen: Sequence[nn.Parameter] = ()) -> None:
+    """One forward and backward of ``copies`` independent calls of ``block`` on fresh copies of its
+    inputs. The inputs that need grad are non-leaf (counted only if the block keeps them, as in the
+    model); the cotangents are not counted (the incoming gradient is, from backward on).
+    ``before_mark`` runs when forward ends, before it is marked. ``frozen``: parameters that get no
+    gradient from all copies but the last (in the model each block has its own: a second copy's
+    parameter gradients, summed into the first's, are no transient of the model's)."""
     leaves, rebuild = structures.flatten((args, kwargs))
-    fresh = [leaf.detach().clone().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
-             for leaf, flag in zip(leaves, flags, strict=True)]
-    call_args, call_kwargs = rebuild(fresh)
-    del fresh
-    output = block(*call_args, **call_kwargs)
-    del call_args, call_kwargs
-    outs = [leaf for leaf in structures.flatten(output)[0]
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
-    del output
+    outs = []
+    for copy in range(copies):
+        freeze = [p for p in frozen if p.requires_grad] if copy < copies - 1 else []
+        for param in freeze:
+            param.requires_grad_(False)
+        with _disable_current_modes():
+            fresh = [leaf.detach().clone().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
+                     for leaf, flag in zip(leaves, flags, strict=True)]
+        if tracker is not None:
+            tracker.excluded |= {key[0] for leaf in fresh if isinstance(leaf, torch.Tensor)
+                                 and (key := storage_key(leaf))}
+        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf for leaf in fresh]
+        call_args, call_kwargs = rebuild(inputs)
+        del fresh, inputs
+        try:
+            output = block(*call_args, **call_kwargs)
+        finally:
+            for param in freeze:
+                param.requires_grad_(True)
+        del call_args, call_kwargs
+        outs += [leaf for leaf in structures.flatten(output)[0]
+                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
+        del output
     with _disable_current_modes():
         generator = torch.Generator().manual_seed(0)
         cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device) for o in outs]
+    if tracker is not None:
+        tracker.excluded |= {key[0] for c in cotangents if (key := storage_key(c))}
     loss = sum((o * c).sum() for o, c in zip(outs, cotangents, strict=True))
     del outs
+    if before_mark is not None:
+        before_mark()
     if tracker is not None:
         tracker.mark("forward")
     if isinstance(loss, torch.Tensor):
         loss.backward()
     del loss
+
+
+def measure_choice(call: Callable[..., Any], args: Any, kwargs: Any, flags: list[bool], excluded: set[int],
+                   grads: Callable[[], set[int]], reset: Callable[[], None], offload: SharedOffload | None,
+                   repeats: int, params: Sequence[nn.Parameter] = ()) -> tuple[int, int, float, int]:
+    """``(held, transient, seconds, window)`` of one block run as a choice (``call``); ``offload``:
+    the shared schedule ``call`` offloads through, for the ``offload`` choices (measured in
+    context, see the module docstring); ``params``: the block's parameters."""
+
+    def tracked(copies: int, flush: Callable[[], None] | None) -> tuple[int, int]:
+        reset()
+        tracker = LiveBytes(set(excluded))
+        with tracker:
+            _block_step(call, args, kwargs, flags, tracker, copies, flush, params)
+            tracker.mark("end")
+        series = tracker.series(grads())
+        tracker.release()
+        return series[tracker.marks["forward"] - 1], max(series)
+
+    # Timed first: the untracked runs also warm up (a disk tier's files, lazy initialisation).
+    if offload is None:
+        seconds = _timed(functools.partial(_block_step, call, args, kwargs, flags, None), repeats)
+        held, peak = tracked(1, None)
+        reset()
+        return held, peak - held, seconds, 0
+    seconds = _timed(functools.partial(_block_step, call, args, kwargs, flags, None, 2, offload.flush), repeats) / 2
+    held_kept, peak_kept = tracked(2, None)  # the last offloaded block: its window stays resident
+    held_sent, peak_sent = tracked(2, offload.flush)  # a block followed by offloaded blocks
+    reset()
+    return -(-held_sent // 2), max(peak_kept, peak_sent) - held_sent, seconds, max(0, held_kept - held_sent)
 
 
 def _block_key(block: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
@@ -265,24 +341,20 @@ def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
         key = _block_key(block, args, kwargs)
         if key in measured:
             first = measured[key]
-            profiles.append(BlockProfile(name, dict(first.held), dict(first.transient), dict(first.seconds), first.name))
+            profiles.append(BlockProfile(name, dict(first.held), dict(first.transient), dict(first.seconds), first.name,
+                                         dict(first.window)))
             continue
-        held, transient, seconds = {}, {}, {}
+        held, transient, seconds, window = {}, {}, {}, {}
+        excluded = excluded_keys(block, (args, kwargs))
         for choice in choices:
-            install(block, choice, prefetch)
-            block.zero_grad(set_to_none=True)
-            block_tracker = LiveBytes(excluded_keys(block, (args, kwargs)))
-            with block_tracker:
-                _block_step(block, args, kwargs, flags, block_tracker)
-                block_tracker.mark("end")
-            block_series = block_tracker.series(grad_keys(block))
-            block_tracker.release()
-            held[choice] = block_series[block_tracker.marks["forward"] - 1]
-            transient[choice] = max(block_series) - held[choice]
-            seconds[choice] = _timed(functools.partial(_block_step, block, args, kwargs, flags, None), repeats)
-            block.zero_grad(set_to_none=True)
+            shared: dict[str, SharedOffload] = {}
+            install(block, choice, prefetch, shared)
+            held[choice], transient[choice], seconds[choice], window[choice] = measure_choice(
+                block, args, kwargs, flags, excluded, functools.partial(grad_keys, block),
+                functools.partial(block.zero_grad, set_to_none=True),
+                next(iter(shared.values())) if is_offload(choice) else None, repeats, list(block.parameters()))
         install(block, "recompute")
-        measured[key] = BlockProfile(name, held, transient, seconds)
+        measured[key] = BlockProfile(name, held, transient, seconds, window=window)
         profiles.append(measured[key])
     other_held = max(0, held_full - sum(p.held["recompute"] for p in profiles))
     other_seconds = max(0.0, step_seconds - sum(p.seconds["recompute"] for p in profiles))

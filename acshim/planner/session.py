@@ -37,16 +37,16 @@ from ..measure import default_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
 from .budget import format_bytes, parse_budget
-from .choices import BASE_CHOICES, choice_options, expand_choices
+from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, is_offload
 from .plan import Plan, solve_within
 from .profile import (
     BlockProfile,
     Profile,
     _block_key,
-    _block_step,
     _grad_flags,
     _map_untracked,
     _timed,
+    measure_choice,
     model_signature,
 )
 from .solver import BudgetTooSmall
@@ -77,8 +77,6 @@ class RegionSite:
     dialect: str
     asked: str
     captured: tuple[Any, Any, list[bool]] | None = None
-    scope: Any = None
-    scope_tier: str = ""
     options: RegionOptions | None = None
     calls: int = 0
 
@@ -104,6 +102,7 @@ class PlanSession:
     _handle: Any = None
     _candidate: list[str] | None = None
     _head_marked: Callable[[], None] | None = None
+    _shared: dict[str, SharedOffload] = field(default_factory=dict)
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self) -> PlanSession:
@@ -146,12 +145,11 @@ class PlanSession:
             engine.STATS.forward(function)
             return function(*args, **kwargs)
         if base == "offload":
-            if site.scope is None or site.scope_tier != tier:
-                from ..storage import OffloadActivations
-
-                site.scope, site.scope_tier = OffloadActivations(storage=tier, prefetch=self.prefetch), tier
+            scope = self._shared.get(tier)
+            if scope is None:  # one schedule for all offloaded regions of the step (choices.SharedOffload)
+                scope = self._shared[tier] = SharedOffload(tier, self.prefetch)
             engine.STATS.forward(function)
-            with site.scope:
+            with scope:
                 return function(*args, **kwargs)
         if site.options is None or getattr(site, "_choice", None) != choice:
             site.options, site._choice = choice_options(choice), choice  # type: ignore[attr-defined]
@@ -259,23 +257,22 @@ class PlanSession:
             if key in measured:
                 first = measured[key]
                 profiles.append(BlockProfile(name, dict(first.held), dict(first.transient), dict(first.seconds),
-                                             first.name))
+                                             first.name, dict(first.window)))
                 continue
-            held, transient, seconds = {}, {}, {}
+            held, transient, seconds, window = {}, {}, {}, {}
+            excluded_here = excluded_keys(root, (args, kwargs))
             for choice in choices:
+                self._shared = {}  # a fresh schedule per measurement
                 proxy = functools.partial(self._alone, site, choice)
-                root.zero_grad(set_to_none=True)
-                block_tracker = LiveBytes(excluded_keys(root, (args, kwargs)))
-                with block_tracker:
-                    _block_step(proxy, args, kwargs, flags, block_tracker)
-                    block_tracker.mark("end")
-                block_series = block_tracker.series(grad_keys(root))
-                block_tracker.release()
-                held[choice] = block_series[block_tracker.marks["forward"] - 1]
-                transient[choice] = max(block_series) - held[choice]
-                seconds[choice] = _timed(functools.partial(_block_step, proxy, args, kwargs, flags, None), self.repeats)
-            site.scope = None
-            measured[key] = BlockProfile(name, held, transient, seconds)
+                offload = SharedOffload(choice.partition(":")[2], self.prefetch) if is_offload(choice) else None
+                if offload is not None:
+                    self._shared[offload.storage] = offload
+                held[choice], transient[choice], seconds[choice], window[choice] = measure_choice(
+                    proxy, args, kwargs, flags, excluded_here, functools.partial(grad_keys, root),
+                    functools.partial(root.zero_grad, set_to_none=True), offload, self.repeats,
+                    list((site.owner if site.owner is not None else root).parameters()))
+            self._shared = {}
+            measured[key] = BlockProfile(name, held, transient, seconds, window=window)
             profiles.append(measured[key])
         root.zero_grad(set_to_none=True)
         profile = Profile(
@@ -298,8 +295,7 @@ class PlanSession:
                 tracker.mark("end")
             found = tracker.series(grad_keys(root))
             tracker.release()
-            for site in self.sites:
-                site.scope = None
+            self._shared = {}
             return found[tracker.marks["forward"] - 1], max(found)
 
         return solve_within(profile, self.budget, measure)

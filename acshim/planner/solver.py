@@ -6,11 +6,15 @@ recompute and backward) the blocks before it still hold what they saved and the 
     peak = other_held + max( sum_j held_j + other_transient,  max_i (sum_{j<=i} held_j + transient_i) )
 with ``transient_i`` the block's own high-water mark above its held bytes (incoming gradient and
 recompute included) and ``other_*`` everything outside the blocks (embeddings, head, loss). That is
-at most held-after-forward plus the largest transient (the simpler bound), and tighter.
+at most held-after-forward plus the largest transient (the simpler bound), and tighter. Offloaded
+blocks share one schedule (``choices.SharedOffload``): its resident window (the last offloaded
+block's last tensors, or an earlier one's prefetched ahead) is added to the transient of every
+block that is not offloaded after the first offloaded one, and to the outside transient when any
+block is offloaded (an offloaded block's own transient was measured among offloaded blocks).
 
-The max is handled exactly by dynamic programming over blocks x prefix held bytes: choosing block
-i's option is allowed only if prefix + held + transient fits, and the final prefix must leave room
-for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
+The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
+block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
+window) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
 rounded up, so a larger budget only ever adds feasible plans: the optimum's time never increases,
 and the prediction errs towards more memory.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .budget import format_bytes
+from .choices import is_offload
 from .profile import Profile
 
 UNITS = 4096
@@ -51,7 +56,7 @@ class BudgetTooSmall(ValueError):
 def unit_of(profile: Profile) -> int:
     """Bytes per unit of the memory axis for ``profile``."""
     most = sum(max(b.held.values()) for b in profile.blocks) + max(
-        max(b.transient.values()) for b in profile.blocks)
+        max(b.transient.values()) for b in profile.blocks) + profile.window()
     return max(1, math.ceil(most / UNITS))
 
 
@@ -62,11 +67,14 @@ def _up(size: int, unit: int) -> int:
 def rounded_peak(profile: Profile, assignment: list[str]) -> int:
     """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up)."""
     unit = unit_of(profile)
+    window, seen = _up(profile.window(), unit) * unit, False
     prefix, worst = 0, 0
     for block, choice in zip(profile.blocks, assignment, strict=True):
         prefix += _up(block.held[choice], unit) * unit
-        worst = max(worst, prefix + _up(block.transient[choice], unit) * unit)
-    return profile.other_held + max(worst, prefix + profile.other_transient)
+        worst = max(worst, prefix + _up(block.transient[choice], unit) * unit
+                    + (window if seen and not is_offload(choice) else 0))
+        seen = seen or is_offload(choice)
+    return profile.other_held + max(worst, prefix + profile.other_transient + (window if seen else 0))
 
 
 def minimum_peak(profile: Profile) -> int:
@@ -89,40 +97,55 @@ def _search(profile: Profile, budget: int) -> list[int] | None:
     room = budget - profile.other_held
     if room < profile.other_transient:
         return None
+    window = _up(profile.window(), unit)
     size = room // unit
-    final = (room - profile.other_transient) // unit
+    final = [(room - profile.other_transient) // unit, (room - profile.other_transient) // unit - window]
     held = np.array([[_up(b.held[c], unit) for c in profile.choices] for b in profile.blocks], dtype=np.int64)
     transient = np.array([[_up(b.transient[c], unit) for c in profile.choices] for b in profile.blocks],
                          dtype=np.int64)
     seconds = np.array([[b.seconds[c] for c in profile.choices] for b in profile.blocks])
+    offloads = [is_offload(c) for c in profile.choices]
     most = int(held.max(axis=1).sum())
-    size = min(size, most + int(transient.max()))
-    dp = np.full(size + 1, np.inf)
-    dp[0] = 0.0
+    size = min(size, most + int(transient.max()) + window)
+    # dp[seen, prefix]: least seconds so far; seen = an offloaded block came before
+    dp = np.full((2, size + 1), np.inf)
+    dp[0, 0] = 0.0
     picks = []
     for block in range(held.shape[0]):
-        new = np.full(size + 1, np.inf)
-        arg = np.full(size + 1, -1, dtype=np.int64)
+        new = np.full((2, size + 1), np.inf)
+        arg = np.full((2, size + 1, 2), -1, dtype=np.int64)  # (choice, seen before) per state
         for choice in range(held.shape[1]):
-            weight, extra = int(held[block, choice]), int(transient[block, choice])
-            limit = size - weight - extra  # largest prefix before this block that still fits
-            if limit < 0:
-                continue
-            candidate = np.full(size + 1, np.inf)
-            candidate[weight:weight + limit + 1] = dp[:limit + 1] + seconds[block, choice]
-            better = candidate < new
-            new[better], arg[better] = candidate[better], choice
+            weight = int(held[block, choice])
+            for seen in (0, 1):
+                extra = int(transient[block, choice]) + (window if seen and not offloads[choice] else 0)
+                limit = size - weight - extra  # largest prefix before this block that still fits
+                if limit < 0:
+                    continue
+                after = 1 if (seen or offloads[choice]) else 0
+                candidate = np.full(size + 1, np.inf)
+                candidate[weight:weight + limit + 1] = dp[seen, :limit + 1] + seconds[block, choice]
+                better = candidate < new[after]
+                new[after, better] = candidate[better]
+                arg[after, better] = (choice, seen)
         dp = new
         picks.append(arg)
-    end = min(final, size)
-    if end < 0 or not np.isfinite(dp[:end + 1]).any():
+    best, state = np.inf, None
+    for seen in (0, 1):
+        end = min(final[seen], size)
+        if end < 0 or not np.isfinite(dp[seen, :end + 1]).any():
+            continue
+        prefix = int(np.argmin(dp[seen, :end + 1]))
+        if dp[seen, prefix] < best:
+            best, state = dp[seen, prefix], (seen, prefix)
+    if state is None:
         return None
-    state = int(np.argmin(dp[:end + 1]))
+    seen, prefix = state
     chosen = []
     for block in reversed(range(held.shape[0])):
-        choice = int(picks[block][state])
+        choice, before = (int(v) for v in picks[block][seen, prefix])
         chosen.append(choice)
-        state -= int(held[block, choice])
+        prefix -= int(held[block, choice])
+        seen = before
     return chosen[::-1]
 
 

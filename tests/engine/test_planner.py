@@ -85,7 +85,8 @@ def test_model_without_blocks_is_a_clear_error():
 def random_profile(rng: random.Random, blocks: int, choices: list[str]) -> Profile:
     return Profile(
         blocks=[BlockProfile(f"b{i}", {c: rng.randrange(0, 5000) for c in choices},
-                             {c: rng.randrange(0, 3000) for c in choices}, {c: rng.random() for c in choices})
+                             {c: rng.randrange(0, 3000) for c in choices}, {c: rng.random() for c in choices},
+                             window={c: rng.randrange(0, 2000) for c in choices if c.startswith("offload")})
                 for i in range(blocks)],
         choices=choices, other_held=rng.randrange(0, 2000), other_transient=rng.randrange(0, 2000),
         other_seconds=0.1, signature="x", prefetch=2)
@@ -236,3 +237,33 @@ def test_expand_choices():
     assert expand_choices(("keep", "offload"), ("host", "disk")) == ["keep", "offload:host", "offload:disk"]
     with pytest.raises(ValueError, match="unknown planner choice"):
         expand_choices(("sometimes",), ("disk",))
+
+
+def test_offloaded_blocks_share_one_schedule(ids, half):
+    """Offloaded blocks share one schedule, as one acshim.offload() around the step: only its last
+    tensors stay resident when forward ends (a schedule per block kept each block's last ones)."""
+    model, result = half
+    profile = result.profile
+    offloaded = Plan.from_choices(result, ["offload:disk"] * 4)
+    offloaded.apply(model)
+    try:
+        scopes = {id(block.forward.scope) for block in model.h}
+        model.zero_grad(set_to_none=True)
+        held, peak = measure_step(model, ids)
+    finally:
+        acshim.remove_checkpointing(model)
+    assert len(scopes) == 1
+    window = profile.window()
+    assert window > 0
+    assert held <= profile.other_held + window + 4 * profile.blocks[0].held["offload:disk"] + 64 * 1024
+    assert peak <= offloaded.peak  # the in-context profile does not under-predict
+
+
+def test_block_profile_counts_a_kept_input_once(half):
+    """A block's held bytes under full recompute are its saved input only: its output (the next
+    block's input) and the incoming gradient are not counted again."""
+    _, result = half
+    input_bytes = 2 * 32 * 64 * 4
+    for block in result.profile.blocks:
+        assert input_bytes <= block.held["recompute"] < 1.5 * input_bytes
+    assert result.profile.other_held > 0
