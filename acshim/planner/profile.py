@@ -39,7 +39,7 @@ from .choices import SharedOffload, install, is_offload
 from .tracker import LiveBytes, excluded_keys, grad_keys, storage_key
 
 METHOD = ("measured block by block: one step with every block fully recomputed captured each block's input, "
-          "then each block ran alone per choice")
+          "then each block ran alone per choice (offload: two copies through one shared schedule)")
 
 
 @dataclass

@@ -53,7 +53,8 @@ from .solver import BudgetTooSmall
 from .tracker import LiveBytes, excluded_keys, grad_keys
 
 METHOD = ("measured on the script's first step: one step of the model with every region fully recomputed "
-          "captured each region's input, then each region ran alone per choice")
+          "captured each region's input, then each region ran alone per choice (offload: two copies through one "
+          "shared schedule)")
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "FullyShardedDataParallel",
              "DistributedModel", "PipelineModule")
