@@ -7,7 +7,8 @@ live storages op by op, parameter gradients and inputs excluded), as ratios of n
 and the median of per-round step-time ratios. Configurations: none, full recompute per block,
 selective-op (save matmul/attention outputs), disk offload alone around the step (prefetch 2), and
 plans at several peak budgets (fractions of none's measured peak). Also: planning time (profiling +
-solving + verification) in steps of none, and the planner's predicted frontier.
+solving + verification) in steps of none, each plan's own prediction (peak and step time as ratios
+of its predicted no checkpointing) beside what was measured, and the planner's predicted frontier.
 
     python benchmarks/bench_planner.py            # full size
     python benchmarks/bench_planner.py --small    # quick check
@@ -150,14 +151,18 @@ def main(argv: list[str]) -> None:
     print(f"GPT {args.layers}x{args.width}, batch {args.batch}x{args.seq}, vocab {args.vocab}, dropout on; "
           f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds")
     print(f"no checkpointing: held {none_held / 2**20:.1f} MiB, peak {none_peak / 2**20:.1f} MiB")
-    print(f"{'configuration':<22} {'held x':>7} {'peak x':>7} {'step x':>7}  {'within budget':>13}  choices")
+    print(f"{'configuration':<22} {'held x':>7} {'peak x':>7} {'step x':>7}  {'within budget':>13}  "
+          f"{'predicted peak x, step x':>24}  choices")
     for name in names:
         held, peak = memory[name]
         found = plans.get(name)
         within = "" if found is None else ("yes" if peak <= found.budget else "NO")
         choices = "" if found is None else " ".join(_short(c) for c in found.choices)
+        # the planner's own prediction, as ratios of its predicted no checkpointing (never run)
+        predicted = "" if found is None else (f"{found.peak / found.reference_peak:.2f}, "
+                                              f"{found.seconds / found.reference_seconds:.2f}")
         print(f"{name:<22} {held / none_held:>7.2f} {peak / none_peak:>7.2f} "
-              f"{statistics.median(ratios[name]):>7.2f}  {within:>13}  {choices}")
+              f"{statistics.median(ratios[name]):>7.2f}  {within:>13}  {predicted:>24}  {choices}")
     if first is not None:
         print(f"planning (profile + solve + verify): {planning_seconds:.1f} s = "
               f"{planning_seconds / none_seconds:.1f} steps of no checkpointing")
