@@ -48,8 +48,9 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
-    if tensor.layout != torch.strided or tensor.device.type == "meta":
+def storage_key(tensor: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
+    """``(id, storage)`` of a strided tensor's storage, else None (what held-bytes accounting keys on)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
     try:
         storage = tensor.untyped_storage()
@@ -70,7 +71,7 @@ class _StorageTracker(TorchDispatchMode):
         leaves, _ = structures.flatten(out)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                found = _storage_key(leaf)
+                found = storage_key(leaf)
                 if found and found[0] not in self.excluded and found[0] not in self.storages:
                     block = self.block_stack[-1] if self.block_stack else OTHER
                     self.storages[found[0]] = (found[1], block)
@@ -136,12 +137,12 @@ def measure_memory(
 
     excluded: set[int] = set()
     for tensor in [*model.parameters(), *model.buffers()]:
-        found = _storage_key(tensor)
+        found = storage_key(tensor)
         if found:
             excluded.add(found[0])
     input_leaves, _ = structures.flatten((args, kwargs))
     for leaf in input_leaves:
-        if isinstance(leaf, torch.Tensor) and (found := _storage_key(leaf)):
+        if isinstance(leaf, torch.Tensor) and (found := storage_key(leaf)):
             excluded.add(found[0])
 
     tracker = _StorageTracker(excluded)

@@ -17,17 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import structures
-
-
-def storage_key(tensor: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
-    """``(id, storage)`` of a strided tensor's storage, else None."""
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.device.type == "meta":
-        return None
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return storage._cdata, storage
+from ..measure import storage_key
 
 
 class LiveBytes(TorchDispatchMode):
