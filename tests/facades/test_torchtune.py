@@ -216,12 +216,17 @@ originals = (training.OffloadActivations, training.get_act_offloading_ctx_manage
 acshim.install(dialects=["torchtune"])
 from acshim.facades.torchtune.training import OffloadActivations, get_act_offloading_ctx_manager
 assert training.OffloadActivations is OffloadActivations and upstream.OffloadActivations is OffloadActivations
+torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
 x = torch.randn(4, 8, requires_grad=True)
+model(x).square().sum().backward()
+reference = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+x.grad = None
+model.zero_grad(set_to_none=True)
 with training.get_act_offloading_ctx_manager(model, True):
     y = model(x)
-y.sum().backward()
-assert x.grad is not None
+y.square().sum().backward()
+assert all(torch.equal(a, b) for a, b in zip([x.grad, *(p.grad for p in model.parameters())], reference))
 acshim.uninstall()
 assert (training.OffloadActivations, training.get_act_offloading_ctx_manager, upstream.NoOpManager) == originals
 print("ok")
