@@ -164,9 +164,8 @@ def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
     launcher = _launcher_path(script)
     if launcher is not None:
         if flags.get("budget") is not None or flags.get("report"):
-            print(f"usage: {RUN_USAGE}\nacshim run: --budget and --report apply to a script run in this process; "
-                  f"with a launcher let each rank run it: {script} ... -m acshim run --budget B train.py",
-                  file=sys.stderr)
+            print(f"usage: {RUN_USAGE}\nacshim run: --budget and --report apply to a script run in this process, "
+                  "not behind a launcher (planning across ranks is not supported yet)", file=sys.stderr)
             return 2
         return run_launcher(launcher, [script, *args], hf=flags["hf"])
     return _run_in_process("run", flags, script, module, args)

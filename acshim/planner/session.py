@@ -179,6 +179,14 @@ class PlanSession:
 
     def _plan_now(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                   options: RegionOptions) -> None:
+        world = _world_size()
+        if world > 1:
+            # each rank would profile and choose alone (plans may differ), and profiling's block-alone
+            # backwards would fire DDP/FSDP gradient hooks outside a step: refuse rather than risk it
+            self.stop()
+            raise PlanExit(2, f"acshim run --budget: planning under torch.distributed with {world} ranks is not "
+                              "supported yet; plan on one process (acshim plan --budget ... -- train.py) or drop "
+                              "--budget")
         found = _model_on_stack()
         if found is None:
             self.stop()
@@ -497,3 +505,10 @@ def _code_of(function: Callable[..., Any]) -> Any:
 
 def _device(module: nn.Module) -> torch.device:
     return next(module.parameters(), torch.empty(0)).device
+
+
+def _world_size() -> int:
+    """Ranks of an initialized default process group, else 1."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

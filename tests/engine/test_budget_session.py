@@ -79,3 +79,22 @@ def test_region_outside_any_module_forward_is_a_clear_error(session_cleanup) -> 
     with pytest.raises(PlanExit, match="outside any nn.Module's forward"):
         acshim.checkpoint(lambda x: block(x).relu(), torch.randn(2, 4, requires_grad=True))
     assert region.ROUTERS == []
+
+
+def test_several_ranks_are_refused_before_anything_is_profiled(session_cleanup, monkeypatch) -> None:
+    """Under a process group of several ranks planning is refused (each rank would choose alone and
+    profiling's block-alone backwards would fire DDP/FSDP hooks); the script's own recipe is kept."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession(0.5, repeats=1).start()
+    session_cleanup.append(session)
+    with pytest.raises(PlanExit, match="under torch.distributed with 2 ranks is not supported yet") as caught:
+        train_step(model, _ids())
+    assert caught.value.code == 2
+    assert region.ROUTERS == []
+    assert all(p.grad is None for p in model.parameters())
+    assert acshim.checkpointed_modules(model) == ["h.0", "h.1", "h.2", "h.3"]
