@@ -253,6 +253,11 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
         return 1
     from .planner.session import PlanExit
 
+    routed = False
+    if session is not None or flags.get("report"):
+        from .patching.torch_route import route_torch_checkpoint
+
+        routed = route_torch_checkpoint()  # the plan and the report see torch.utils.checkpoint calls too
     if session is not None:
         session.start()
     try:
@@ -275,11 +280,15 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
     finally:
         if session is not None and verb == "plan":
             session.stop()
+        if routed:
+            from .patching.torch_route import unroute_torch_checkpoint
+
+            unroute_torch_checkpoint()
     if session is not None and session.mode == "idle":
         session.stop()
         print(f"acshim {verb}: --budget {flags.get('budget')}: the script ran no checkpointed region with grad enabled, "
-              "so there was nothing to plan; checkpoint its blocks in any dialect (torch checkpoint_wrapper, "
-              "DeepSpeed, FairScale, gradient_checkpointing_enable(), acshim.apply_checkpointing) or add --hf "
+              "so there was nothing to plan; checkpoint its blocks in any dialect (torch.utils.checkpoint, "
+              "torch checkpoint_wrapper, DeepSpeed, FairScale, gradient_checkpointing_enable(), acshim.apply_checkpointing) or add --hf "
               "for transformers models", file=sys.stderr)
         return 2
     return 0

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
 from . import region, rng
 from .options import RegionOptions
@@ -64,7 +63,7 @@ def run_traced(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     if options.context_fn is not None:
         # Dynamo accepts a plain function or a partial as context_fn, not an attribute it reads lazily
         extra["context_fn"] = functools.partial(options.context_fn)
-    return torch_checkpoint.checkpoint(
+    return region.TORCH_CHECKPOINT(  # torch's own, which Dynamo captures as its checkpoint operator
         _TracedCall(function, options), *args, use_reentrant=False,
         preserve_rng_state=options.preserve_rng_state, **extra, **kwargs)
 

@@ -26,7 +26,11 @@ from .batchnorm import running_stats_frozen
 from .options import DEFAULT_OPTIONS, RegionOptions
 from .state import _flag, enable_checkpointing, enable_recomputing, state
 
-_TORCH_CHECKPOINT_PARAMS = inspect.signature(torch_checkpoint.checkpoint).parameters
+TORCH_CHECKPOINT = torch_checkpoint.checkpoint
+"""torch's own ``checkpoint``, bound at import: the engine always calls this one, so routing the
+script's ``torch.utils.checkpoint.checkpoint`` calls to the engine (``acshim.patching.torch_route``)
+cannot make the engine call itself."""
+_TORCH_CHECKPOINT_PARAMS = inspect.signature(TORCH_CHECKPOINT).parameters
 TORCH_HAS_EARLY_STOP = "early_stop" in _TORCH_CHECKPOINT_PARAMS
 
 REENTRANT_GRAD_ERROR = (
@@ -149,7 +153,7 @@ def _run_non_reentrant(
     elif not options.early_stop:
         early_stop_context = torch_checkpoint.set_checkpoint_early_stop(False)
     with early_stop_context:
-        return torch_checkpoint.checkpoint(
+        return TORCH_CHECKPOINT(
             _RegionCall(function, options),
             *args,
             use_reentrant=False,

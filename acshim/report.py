@@ -80,7 +80,7 @@ class RegionRecorder:
         owner, key = _identity(function)
         entry = self.entries.get(key)
         if entry is None and create:
-            label = type(owner).__name__ if owner is not None else getattr(_unwrapped(function), "__qualname__", "fn")
+            label = type(owner).__name__ if owner is not None else _short_qualname(_unwrapped(function))
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
             entry = self.entries[key] = RegionEntry(f"{label}#{count}", _dialect_of_caller())
@@ -231,6 +231,12 @@ def _outer_region(function: Callable[..., Any]) -> Callable[..., Any] | None:
                 return outer
         frame = frame.f_back
     return None
+
+
+def _short_qualname(function: Callable[..., Any]) -> str:
+    """``outer.<locals>.inner.<locals>.forward`` -> ``outer.forward``: fits the table's column."""
+    parts = [p for p in getattr(function, "__qualname__", "fn").split(".") if p != "<locals>"]
+    return ".".join(parts[:1] + parts[-1:]) if len(parts) > 2 else ".".join(parts)
 
 
 def _dialect_of_caller() -> str:

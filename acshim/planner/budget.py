@@ -52,3 +52,11 @@ def format_bytes(size: float) -> str:
     if abs(size) >= 2**30:
         return f"{size / 2**30:.2f} GiB"
     return f"{size / 2**20:.1f} MiB"
+
+
+def budget_at_least(size: int) -> str:
+    """The shortest ``--budget`` text that is at least ``size`` bytes ("0.8MiB", "1.26GiB"): a hint
+    must not round a minimum down below itself."""
+    if size >= 2**30:
+        return f"{math.ceil(size / 2**30 * 100) / 100:.2f}GiB"
+    return f"{math.ceil(size / 2**20 * 10) / 10:.1f}MiB"

@@ -36,7 +36,7 @@ from .. import structures
 from ..measure import default_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
-from .budget import format_bytes, parse_budget
+from .budget import budget_at_least, format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, is_offload
 from .plan import Plan, solve_within
 from .profile import (
@@ -203,7 +203,7 @@ class PlanSession:
         except (BudgetTooSmall, ValueError) as error:
             snapshot.restore()
             self.stop()
-            hint = (f"; pass --budget {format_bytes(error.minimum).replace(' ', '')} or more"
+            hint = (f"; pass --budget {budget_at_least(error.minimum)} or more"
                     if isinstance(error, BudgetTooSmall) else "")
             raise PlanExit(2, f"acshim run: --budget {self.budget}: {error}{hint}") from None
         except BaseException:
@@ -471,6 +471,8 @@ def _dialect_of_caller() -> str:
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if not (name.startswith(_ENGINE_MODULES) or name == "torch"):
+            if name == "acshim.patching.torch_route":
+                return "torch.utils.checkpoint"
             if name.startswith("acshim.facades."):
                 parts = name.split(".")
                 return "torch.sagemaker" if parts[2:4] == ["torch", "sagemaker"] else (

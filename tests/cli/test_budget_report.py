@@ -69,6 +69,68 @@ def test_run_budget_replaces_checkpoint_wrapper_recipe_gradients_bitwise_peak_wi
     assert result["peak"] <= result["budget"], result
 
 
+TORCH_UTILS_CHECKPOINT = MODEL + """
+import warnings
+import torch.utils.checkpoint
+from torch.utils.checkpoint import checkpoint
+from acshim.testing import GPT
+
+WARNED_AT = []
+
+class Checkpointed(GPT):                                 # the script calls torch's checkpoint itself
+    def forward(self, ids):
+        x = self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))
+        x = checkpoint(self.h[0], x, use_reentrant=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = checkpoint(self.h[1], x)                 # torch warns and means use_reentrant=True
+        assert [str(w.message)[:63] for w in caught] == [
+            "torch.utils.checkpoint: the use_reentrant parameter should be p"], caught
+        WARNED_AT.append(caught[0].filename)
+        x = torch.utils.checkpoint.checkpoint_sequential(self.h[2:], 2, x, use_reentrant=False)  # h.3 not checkpointed
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+reference = train_step(seeded(lambda: GPT(layers=4, width=64, heads=4, seq=32, vocab=128)), ids, seed=7)
+model = seeded(lambda: Checkpointed(layers=4, width=64, heads=4, seq=32, vocab=128))
+for step in range(2):
+    got = train_step(model, ids, seed=7)
+equal = set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
+routers = acshim.region.ROUTERS
+result = {"equal": equal, "routed": torch.utils.checkpoint.checkpoint.__code__.co_filename.endswith("torch_route.py"),
+          "warned_here": WARNED_AT[-1] == __file__}
+if routers:
+    from acshim.planner import measure_step
+    result["peak"] = measure_step(model, ids)[1]
+    result["budget"] = routers[0].plan.budget
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("flag", ["--budget", "--report"])
+def test_torch_utils_checkpoint_calls_are_planned_and_reported(tmp_path: Path, flag: str) -> None:
+    """The script's own ``torch.utils.checkpoint`` calls (both modes, the default, ``checkpoint_sequential``)
+    become regions the plan replaces and the report counts; weights bitwise equal to no checkpointing."""
+    script = _script(tmp_path, TORCH_UTILS_CHECKPOINT)
+    plain = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr
+    assert _result(plain.stdout)["equal"] and not _result(plain.stdout)["routed"]
+    done = _acshim("run", *([flag, "0.6"] if flag == "--budget" else [flag]), str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = _result(done.stdout)
+    assert result["equal"], result
+    assert result["routed"]  # torch.utils.checkpoint.checkpoint goes to the engine while the script runs
+    assert result["warned_here"]  # torch's warning, pointing at the script's call
+    if flag == "--budget":
+        line = [line for line in done.stderr.splitlines() if "replaced" in line]
+        assert "replaced 3 region(s) (2 torch.utils.checkpoint: recompute, 1 torch.utils.checkpoint: reentrant " \
+               "recompute) by the plan" in line[0], done.stderr
+        assert result["peak"] <= result["budget"], result
+    else:
+        assert "acshim: 6 region forwards, 6 recomputes" in done.stderr
+        assert "torch.utils.checkpoint     3 region(s), 6 forwards, 6 recomputes" in done.stderr
+
+
 def test_plan_prints_table_and_frontier_and_exits_before_training_on(tmp_path: Path) -> None:
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
     done = _acshim("plan", "--budget", "2MiB", "--sweep", "--", str(script), "5", cwd=tmp_path)

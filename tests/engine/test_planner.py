@@ -11,6 +11,7 @@ import torch
 
 import acshim
 from acshim.planner import BudgetTooSmall, Plan, measure_step, parse_budget, plan
+from acshim.planner.budget import budget_at_least
 from acshim.planner.choices import expand_choices
 from acshim.planner.profile import BlockProfile, Profile
 from acshim.planner.solver import minimum_peak, rounded_peak, solve
@@ -53,6 +54,13 @@ def state_of(model: torch.nn.Module) -> tuple[list, list]:
 ])
 def test_parse_budget_sizes(text, expected):
     assert parse_budget(text, 10**9) == expected
+
+
+@pytest.mark.parametrize("size", [1, 775_000, 2**20, 2**20 + 1, 5 * 2**30 - 1, 2**30 + 1])
+def test_budget_hint_is_never_below_the_minimum(size):
+    hint = budget_at_least(size)
+    assert parse_budget(hint) >= size
+    assert parse_budget(hint) < size + 2**20 // 10 + 1 or hint.endswith("GiB")  # the next 0.1 MiB step up
 
 
 def test_parse_budget_fractions():
