@@ -165,7 +165,8 @@ def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
     if launcher is not None:
         if flags.get("budget") is not None or flags.get("report"):
             print(f"usage: {RUN_USAGE}\nacshim run: --budget and --report apply to a script run in this process, "
-                  "not behind a launcher (planning across ranks is not supported yet)", file=sys.stderr)
+                  "not behind a launcher; put the launcher around acshim instead, so every rank plans with the "
+                  "others: torchrun --nproc-per-node N -m acshim run --budget B train.py", file=sys.stderr)
             return 2
         return run_launcher(launcher, [script, *args], hf=flags["hf"])
     return _run_in_process("run", flags, script, module, args)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..blocks import find_blocks
+from .aliases import parameters_aliased
 from .budget import format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, expand_choices, install
 from .profile import ModelState, Profile, measure_step, model_signature, profile_model
@@ -192,12 +193,15 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         concrete.append("recompute")  # profiling captures inputs under full recompute
     if reuse is not None:
         reuse._blocks_of(model)  # same model, else ValueError
-        profile = reuse.profile
-    else:
-        profile = profile_model(model, example_batch, loss_fn=loss_fn, choices=concrete, prefetch=prefetch,
-                                repeats=repeats, blocks=blocks)
-    measure = None if not verify else (lambda candidate: _verify(model, example_batch, loss_fn, candidate, blocks))
-    return solve_within(profile, budget, measure, retries=retries)
+    with parameters_aliased(model):  # hooks on the real parameters never see planning's backwards
+        if reuse is not None:
+            profile = reuse.profile
+        else:
+            profile = profile_model(model, example_batch, loss_fn=loss_fn, choices=concrete, prefetch=prefetch,
+                                    repeats=repeats, blocks=blocks)
+        measure = None if not verify else (
+            lambda candidate: _verify(model, example_batch, loss_fn, candidate, blocks))
+        return solve_within(profile, budget, measure, retries=retries)
 
 
 def solve_within(profile: Profile, budget: int | float | str,

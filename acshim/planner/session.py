@@ -36,6 +36,8 @@ from .. import structures
 from ..measure import default_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
+from .agree import agree_measurement, agree_profile
+from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, is_offload
 from .plan import Plan, solve_within
@@ -104,6 +106,7 @@ class PlanSession:
     _candidate: list[str] | None = None
     _head_marked: Callable[[], None] | None = None
     _shared: dict[str, SharedOffload] = field(default_factory=dict)
+    world: int = 1
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self) -> PlanSession:
@@ -179,15 +182,17 @@ class PlanSession:
 
     def _plan_now(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                   options: RegionOptions) -> None:
-        world = _world_size()
-        if world > 1:
-            # each rank would profile and choose alone (plans may differ), and profiling's block-alone
-            # backwards would fire DDP/FSDP gradient hooks outside a step: refuse rather than risk it
-            self.stop()
-            raise PlanExit(2, f"acshim run --budget: planning under torch.distributed with {world} ranks is not "
-                              "supported yet; plan on one process (acshim plan --budget ... -- train.py) or drop "
-                              "--budget")
         found = _model_on_stack()
+        self.world = _world_size()
+        sharded = _sharded_by(found[0] if found is not None else None) if self.world > 1 else None
+        if sharded is not None:
+            # FSDP / ZeRO gather parameters and reduce gradients with collectives inside each block's
+            # forward and backward: running blocks alone while profiling would issue them out of step
+            self.stop()
+            raise PlanExit(2, f"acshim run --budget: planning across {self.world} ranks supports replicated models "
+                              f"(DistributedDataParallel, or none); this one is sharded by {sharded}. Plan it on one "
+                              "process (acshim plan --budget ... -- train.py on a single rank) and apply the plan "
+                              "with acshim.Plan.load, or drop --budget")
         if found is None:
             self.stop()
             raise PlanExit(2, "acshim run --budget: the first checkpointed region ran outside any nn.Module's forward, "
@@ -198,7 +203,7 @@ class PlanSession:
         self._handle = root.register_forward_pre_hook(self._reset_position)
         snapshot = _Snapshot(root)
         try:
-            with _counters_paused():
+            with _counters_paused(), parameters_aliased(root):  # profiling never reaches the real parameters
                 self.plan = self._solve(root, root_args, root_kwargs)
         except (BudgetTooSmall, ValueError) as error:
             snapshot.restore()
@@ -212,10 +217,13 @@ class PlanSession:
             raise
         snapshot.restore()
         self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
-        print(self.summary(), file=sys.stderr, flush=True)
+        lead = _rank() == 0  # every rank has the same plan: one rank says it
+        if lead:
+            print(self.summary(), file=sys.stderr, flush=True)
         if self.exit_after_plan:
             self.stop()
-            print(self.report())
+            if lead:
+                print(self.report(), flush=True)
             raise PlanExit(0)
 
     def _solve(self, root: nn.Module, root_args: tuple[Any, ...], root_kwargs: dict[str, Any]) -> Plan:
@@ -294,6 +302,10 @@ class PlanSession:
             prefetch=self.prefetch, method=METHOD,
             recompute_step={"held": held_full, "peak": max(series), "seconds": step_seconds})
 
+        if self.world > 1:  # every rank solves the same numbers, so every rank gets the same plan
+            profile = agree_profile(profile, _device(root))
+            profile.method += f"; agreed across {self.world} ranks (each number the largest any rank measured)"
+
         # 3. solve, verify on one step of the model under the candidate plan
         def measure(candidate: Plan) -> tuple[int, int]:
             self.mode, self._candidate = "measure", candidate.choices
@@ -305,7 +317,8 @@ class PlanSession:
             found = tracker.series(grad_keys(root))
             tracker.release()
             self._shared = {}
-            return found[tracker.marks["forward"] - 1], max(found)
+            held, peak = found[tracker.marks["forward"] - 1], max(found)
+            return agree_measurement(held, peak, _device(root)) if self.world > 1 else (held, peak)
 
         return solve_within(profile, self.budget, measure)
 
@@ -507,6 +520,33 @@ def _code_of(function: Callable[..., Any]) -> Any:
 
 def _device(module: nn.Module) -> torch.device:
     return next(module.parameters(), torch.empty(0)).device
+
+
+def _sharded_by(root: nn.Module | None) -> str | None:
+    """The sharding wrapper around or inside the model being run (FSDP1, FSDP2, a DeepSpeed engine:
+    ZeRO's hooks run collectives per parameter), None for a replicated model."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_locals.get("self") if frame.f_code in _CALL_CODES else None
+        if type(module).__name__ in ("FullyShardedDataParallel", "DeepSpeedEngine", "PipelineModule"):
+            return type(module).__name__
+        frame = frame.f_back
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()
+    for module in root.modules() if root is not None else ():
+        if isinstance(module, FSDPModule):
+            return "fully_shard (FSDP2)"
+        if type(module).__name__ == "FullyShardedDataParallel":
+            return "FullyShardedDataParallel"
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _world_size() -> int:

@@ -81,9 +81,20 @@ def test_region_outside_any_module_forward_is_a_clear_error(session_cleanup) -> 
     assert region.ROUTERS == []
 
 
-def test_several_ranks_are_refused_before_anything_is_profiled(session_cleanup, monkeypatch) -> None:
-    """Under a process group of several ranks planning is refused (each rank would choose alone and
-    profiling's block-alone backwards would fire DDP/FSDP hooks); the script's own recipe is kept."""
+class FullyShardedDataParallel(torch.nn.Module):
+    """Stands for FSDP1 on the stack (the session looks at the wrapper's type name)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_sharded_model_across_ranks_is_refused_before_anything_is_profiled(session_cleanup, monkeypatch) -> None:
+    """Across ranks, a model sharded by FSDP / ZeRO is refused (its blocks gather parameters with
+    collectives: running them alone would issue those out of step); the script's recipe is kept."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -92,9 +103,76 @@ def test_several_ranks_are_refused_before_anything_is_profiled(session_cleanup, 
     acshim.apply_checkpointing(model)
     session = PlanSession(0.5, repeats=1).start()
     session_cleanup.append(session)
-    with pytest.raises(PlanExit, match="under torch.distributed with 2 ranks is not supported yet") as caught:
-        train_step(model, _ids())
+    with pytest.raises(PlanExit, match="across 2 ranks supports replicated models .* sharded by "
+                                       "FullyShardedDataParallel") as caught:
+        train_step(FullyShardedDataParallel(model), _ids())
     assert caught.value.code == 2
     assert region.ROUTERS == []
     assert all(p.grad is None for p in model.parameters())
     assert acshim.checkpointed_modules(model) == ["h.0", "h.1", "h.2", "h.3"]
+
+
+def test_agreed_profile_takes_every_ranks_largest_number_and_refuses_other_regions(monkeypatch) -> None:
+    """Two ranks' profiles of the same model: each number becomes the larger of the two, so both
+    solve the same numbers; profiles of different regions cannot be agreed."""
+    import torch.distributed as dist
+
+    from acshim.planner.agree import RanksDisagree, agree_measurement, agree_profile
+    from acshim.planner.profile import BlockProfile, Profile
+
+    def profile(scale: float, name: str = "h.0") -> Profile:
+        blocks = [BlockProfile(name, {"keep": int(100 * scale), "recompute": 10}, {"keep": 5, "recompute": 50},
+                               {"keep": 0.01 * scale, "recompute": 0.02})]
+        return Profile(blocks, ["keep", "recompute"], other_held=7, other_transient=int(9 * scale),
+                       other_seconds=0.5 * scale, signature="abc", prefetch=2, recompute_step={"peak": 3 * scale})
+
+    other = {"numbers": None}
+
+    def all_reduce(tensor, op):  # the other rank contributes other["numbers"] (same layout)
+        assert op == dist.ReduceOp.MAX
+        theirs = other["numbers"](tensor) if callable(other["numbers"]) else other["numbers"]
+        tensor.copy_(torch.maximum(tensor, theirs))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    slower = profile(2.0)
+    calls = []
+
+    def numbers_of_slower(tensor):  # first call: the layout digest, then the numbers
+        calls.append(len(tensor))
+        if len(calls) == 1:
+            return tensor.clone()
+        mine = torch.tensor([100 * 2, 10, 5, 50, 0.02, 0.02, 7, 18, 1.0, 6.0], dtype=torch.float64)
+        return mine
+
+    other["numbers"] = numbers_of_slower
+    agreed = agree_profile(profile(1.0), torch.device("cpu"))
+    block = agreed.blocks[0]
+    assert (block.held, block.transient) == (slower.blocks[0].held, slower.blocks[0].transient)
+    assert block.seconds == pytest.approx(slower.blocks[0].seconds)
+    assert isinstance(block.held["keep"], int) and isinstance(agreed.other_held, int)
+    assert (agreed.other_transient, agreed.other_seconds, agreed.recompute_step) == (18, 1.0, {"peak": 6.0})
+    other["numbers"] = torch.tensor([300.0, 200.0], dtype=torch.float64)
+    assert agree_measurement(250, 100, torch.device("cpu")) == (300, 200)
+    other["numbers"] = lambda tensor: -tensor + 1  # the other rank's layout digest differs
+    with pytest.raises(RanksDisagree, match="ran different checkpointed regions"):
+        agree_profile(profile(1.0), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("planner", ["session", "acshim.plan"])
+def test_planning_never_reaches_hooks_on_the_real_parameters(planner, session_cleanup) -> None:
+    """An optimizer stepped from ``register_post_accumulate_grad_hook`` (or DDP's reducer) must see
+    the script's backwards only: planning's many block backwards go to storage-sharing aliases."""
+    expected = train_step(_model(), _ids(), seed=5)
+    model = _model()
+    fired: list[str] = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: fired.append(names[id(p)]))
+    acshim.apply_checkpointing(model)
+    if planner == "session":
+        session_cleanup.append(PlanSession(0.45, repeats=1).start())
+    else:
+        acshim.plan(model, _ids(), budget=0.45, repeats=1).apply(model)
+    got = train_step(model, _ids(), seed=5)
+    assert sorted(fired) == sorted(names.values())  # once per parameter: the script's one backward
+    assert_bitwise_equal(got, expected)

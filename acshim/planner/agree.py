@@ -1,0 +1,67 @@
+"""Several ranks, one plan: make every rank's profile and measurements the same before solving.
+
+Each rank of a data-parallel job profiles its own replica (the same model on its own batch), so
+timings and, with uneven batches, bytes differ a little between ranks. The solver is deterministic,
+so when every rank solves the same numbers every rank gets the same plan: each measured number is
+replaced by its maximum over the ranks (the slowest rank sets the step time, the largest peak must
+fit), with one ``all_reduce`` on the model's device (CPU tensors for gloo, CUDA ones for NCCL).
+A verification's measured ``(held, peak)`` is agreed the same way, so every rank takes the same
+re-solve decision and runs the same number of steps while planning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from .profile import Profile
+
+
+class RanksDisagree(ValueError):
+    """The ranks' steps ran different regions (different models or control flow): no common plan."""
+
+
+def _max(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _layout(profile: Profile) -> str:
+    """What must be equal on every rank for the numbers to line up: blocks, choices, model."""
+    return "|".join([profile.signature, ",".join(profile.choices),
+                     *(f"{b.name}:{','.join(sorted(b.held))}:{','.join(sorted(b.window))}" for b in profile.blocks)])
+
+
+def agree_profile(profile: Profile, device: torch.device) -> Profile:
+    """``profile`` with every number replaced by its maximum over the ranks (in place, returned).
+    Raises ``RanksDisagree`` when the ranks profiled different regions."""
+    digest = int.from_bytes(hashlib.sha256(_layout(profile).encode()).digest()[:6], "big")
+    low, high = _max([-float(digest), float(digest)], device)
+    if -low != high:
+        raise RanksDisagree("the ranks' first steps ran different checkpointed regions (a different model, "
+                            "or control flow that depends on the rank), so they cannot share one plan")
+    fields: list[tuple[dict[str, float] | None, str]] = []
+    for block in profile.blocks:
+        for table in (block.held, block.transient, block.seconds, block.window):
+            fields += [(table, key) for key in sorted(table)]
+    fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds")]
+    fields += [(profile.recompute_step, key) for key in sorted(profile.recompute_step)]
+    values = [float(getattr(profile, key) if table is None else table[key]) for table, key in fields]
+    agreed = _max(values, device)
+    for (table, key), value in zip(fields, agreed, strict=True):
+        before = getattr(profile, key) if table is None else table[key]
+        value = int(value) if isinstance(before, int) else value
+        if table is None:
+            setattr(profile, key, value)
+        else:
+            table[key] = value
+    return profile
+
+
+def agree_measurement(held: int, peak: int, device: torch.device) -> tuple[int, int]:
+    """The largest ``(held, peak)`` any rank measured for the same candidate plan."""
+    agreed = _max([float(held), float(peak)], device)
+    return int(agreed[0]), int(agreed[1])
