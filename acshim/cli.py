@@ -287,6 +287,14 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
             unroute_torch_checkpoint()
     if session is not None and session.mode == "idle":
         session.stop()
+        from .compiled import compiled_graphs
+
+        if compiled_graphs():
+            print(f"acshim {verb}: --budget {flags.get('budget')}: the script compiles its model (torch.compile), and "
+                  "regions traced by Dynamo become torch's checkpoint operator, which no plan made while the script "
+                  "runs can change; plan eagerly before compiling: plan = acshim.plan(model, batch, budget=...); "
+                  "plan.apply(model); model = torch.compile(model)", file=sys.stderr)
+            return 2
         print(f"acshim {verb}: --budget {flags.get('budget')}: the script ran no checkpointed region with grad enabled, "
               "so there was nothing to plan; checkpoint its blocks in any dialect (torch.utils.checkpoint, "
               "torch checkpoint_wrapper, DeepSpeed, FairScale, gradient_checkpointing_enable(), acshim.apply_checkpointing) or add --hf "

@@ -21,10 +21,12 @@ backward recomputes operators, never Python code.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 from . import region, rng
 from .options import RegionOptions
@@ -33,6 +35,13 @@ from .options import RegionOptions
 def is_compiling() -> bool:
     """True while Dynamo (or export) traces the caller."""
     return torch.compiler.is_compiling()
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo compiled in this process so far (0 without importing Dynamo when nothing did)."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(dynamo_utils, "counters", None)
+    return int(counters["stats"]["unique_graphs"]) if counters else 0
 
 
 def needs_eager(options: RegionOptions) -> str | None:
@@ -63,7 +72,9 @@ def run_traced(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     if options.context_fn is not None:
         # Dynamo accepts a plain function or a partial as context_fn, not an attribute it reads lazily
         extra["context_fn"] = functools.partial(options.context_fn)
-    return region.TORCH_CHECKPOINT(  # torch's own, which Dynamo captures as its checkpoint operator
+    # Dynamo captures as its checkpoint operator whatever torch.utils.checkpoint.checkpoint is now
+    # (torch._dynamo.utils.is_utils_checkpoint compares identity): torch's own, or acshim's routed one
+    return torch_checkpoint.checkpoint(
         _TracedCall(function, options), *args, use_reentrant=False,
         preserve_rng_state=options.preserve_rng_state, **extra, **kwargs)
 

@@ -87,7 +87,7 @@ def run_region(
     kwargs = kwargs or {}
     if state.is_checkpointing_disabled or not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    if STATS.recorder is not None:
+    if STATS.recorder is not None and not compiled.is_compiling():  # the recorder's frame walk would break graphs
         STATS.recorder.call(function, args, kwargs, options)
     if ROUTERS and not compiled.is_compiling():
         return ROUTERS[-1].route(function, args, kwargs, options)

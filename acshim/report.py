@@ -120,6 +120,11 @@ class RegionRecorder:
                         f"{_mib(entry.held):>14}")
         if not self.entries:
             rows.append("  (no region ran)")
+        from .compiled import compiled_graphs
+
+        if compiled_graphs():
+            rows.append("  (torch.compile ran: regions inside compiled graphs run as torch's checkpoint operator, "
+                        "recomputed by the compiled backward, and are not counted here)")
         per_dialect: dict[str, list[int]] = {}
         for entry in self.entries.values():
             totals = per_dialect.setdefault(entry.dialect, [0, 0, 0, 0])

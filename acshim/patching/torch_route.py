@@ -26,6 +26,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from .. import dropin
+from ..compiled import _TracedCall
 from ..region import TORCH_CHECKPOINT
 
 USE_REENTRANT_WARNING = (
@@ -40,7 +41,9 @@ USE_REENTRANT_WARNING = (
 def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
                       **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint`` with the region run by acshim's engine."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or isinstance(function, _TracedCall):
+        # traced: Dynamo takes this very function for its checkpoint operator (it compares identity with
+        # torch.utils.checkpoint.checkpoint); run eagerly for a region Dynamo gave up on: torch's own
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
     if use_reentrant is None:
         warnings.warn(USE_REENTRANT_WARNING, stacklevel=2)

@@ -231,6 +231,42 @@ def test_script_without_regions_under_budget_exits_2(tmp_path: Path) -> None:
     assert "--budget 0.5: the script ran no checkpointed region" in done.stderr
 
 
+COMPILED = MODEL + """
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.utils.checkpoint import checkpoint
+from torch._dynamo.utils import counters
+class TorchCheckpointed(torch.nn.Module):      # h.0 through torch's own checkpoint, the rest the facade's
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+model = build()
+model.h[0] = TorchCheckpointed(model.h[0])
+apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPTBlock) and m is not model.h[0].block)
+compiled = torch.compile(model, backend="aot_eager")
+compiled(ids).backward()
+print("trained", dict(counters["stats"]), len(counters["graph_break"]))
+"""
+
+
+@pytest.mark.parametrize("flag", ["--budget", "--report"])
+def test_compiled_script_one_graph_under_report_and_budget_says_plan_before_compiling(tmp_path: Path,
+                                                                                     flag: str) -> None:
+    """Regions traced by Dynamo (torch's checkpoint, routed, and a facade's) stay one graph without
+    breaks under ``--report`` (noted as not counted); ``--budget`` cannot plan them and says how to."""
+    script = _script(tmp_path, COMPILED)
+    done = _acshim("run", *([flag, "0.5"] if flag == "--budget" else [flag]), str(script), cwd=tmp_path)
+    assert "trained {'calls_captured'" in done.stdout and "'unique_graphs': 1} 0" in done.stdout, done.stdout
+    if flag == "--budget":
+        assert done.returncode == 2, done.stderr
+        assert "--budget 0.5: the script compiles its model (torch.compile)" in done.stderr
+        assert "plan.apply(model); model = torch.compile(model)" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert "torch.compile ran: regions inside compiled graphs run as torch's checkpoint operator" in done.stderr
+
+
 TRAINER = """
 import sys, torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
