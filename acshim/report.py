@@ -9,6 +9,7 @@ prefetch hits and waits). ``render()`` is printed at exit by ``acshim.patching.r
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from collections.abc import Callable
@@ -176,7 +177,41 @@ def start() -> RegionRecorder:
         from .storage import session as storage_session
 
         storage_session._recorders.append(_SessionList(STATS.recorder))
+        import wrapt
+
+        wrapt.register_post_import_hook(_observe_initialize, "deepspeed")
     return STATS.recorder
+
+
+def _observe_initialize(deepspeed: types.ModuleType) -> None:
+    """Note the ``activation_checkpointing`` block of a config given to ``deepspeed.initialize``: the
+    DeepSpeed engine never reads it (deepspeed/runtime/engine.py; only
+    ``deepspeed.checkpointing.configure(deepspeed_config=...)`` does). Observes, changes nothing."""
+    import wrapt
+
+    initialize = getattr(deepspeed, "initialize", None)
+    if initialize is None or isinstance(initialize, wrapt.ObjectProxy):
+        return
+
+    def noting(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with contextlib.suppress(Exception):  # a diagnostic must never break the script's initialize
+            _note_initialize_config(args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    deepspeed.initialize = wrapt.FunctionWrapper(initialize, noting)
+
+
+def _note_initialize_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    from .facades.deepspeed.runtime.activation_checkpointing import checkpointing
+    from .facades.deepspeed.runtime.activation_checkpointing.config import load_param_dict
+
+    config = kwargs.get("config", kwargs.get("config_params"))
+    cli_args = kwargs.get("args", args[0] if args else None)
+    if config is None:
+        config = getattr(cli_args, "deepspeed_config", None)
+    if config is not None and "activation_checkpointing" in load_param_dict(config):
+        label = config if isinstance(config, str) else "a dict"
+        checkpointing.CONFIG_BLOCKS.append(f"{label} (given to deepspeed.initialize)")
 
 
 def _mib(size: float) -> str:

@@ -4,6 +4,7 @@ the patches and the plan router are process-wide)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -172,6 +173,44 @@ def test_report_flags_deepspeed_config_block_nothing_reads(tmp_path: Path) -> No
     assert "DeepSpeed config a dict has an activation_checkpointing block, but nothing called " \
            "deepspeed.checkpointing.checkpoint" in done.stderr
     assert "cpu_checkpointing is on, but no DeepSpeed checkpoint ran (regions that ran: acshim)" in done.stderr
+
+
+DEEPSPEED_INITIALIZE = MODEL + """
+import json, deepspeed
+with open("ds_config.json", "w") as handle:   # the usual place: a JSON file given to deepspeed.initialize
+    json.dump({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "activation_checkpointing": {"partition_activations": True, "number_checkpoints": 4}}, handle)
+model = build()
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config="ds_config.json")
+for step in range(2):                          # nothing calls deepspeed.checkpointing.checkpoint
+    loss = engine(ids)
+    engine.backward(loss)
+    engine.step()
+print("trained", step)
+"""
+
+
+def test_report_flags_the_block_of_a_config_given_to_deepspeed_initialize(tmp_path: Path) -> None:
+    """The DeepSpeed engine never reads ``activation_checkpointing``: a block in the config given to
+    ``deepspeed.initialize`` with no ``deepspeed.checkpointing.checkpoint`` call does nothing."""
+    pytest.importorskip("deepspeed")
+    script = _script(tmp_path, DEEPSPEED_INITIALIZE)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    done = subprocess.run([sys.executable, "-m", "acshim", "run", "--report", str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained 1" in done.stdout
+    assert "DeepSpeed config ds_config.json (given to deepspeed.initialize) has an activation_checkpointing block, " \
+           "but nothing called deepspeed.checkpointing.checkpoint" in done.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 NESTED_AND_CACHE = MODEL + """
