@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -16,6 +17,7 @@ from .aliases import parameters_aliased
 from .budget import format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, expand_choices, install
 from .profile import ModelState, Profile, measure_step, model_signature, profile_model
+from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
 
 FORMAT = "acshim-plan/1"
@@ -193,7 +195,10 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         concrete.append("recompute")  # profiling captures inputs under full recompute
     if reuse is not None:
         reuse._blocks_of(model)  # same model, else ValueError
-    with parameters_aliased(model):  # hooks on the real parameters never see planning's backwards
+    snapshot = ModelSnapshot(model)  # buffers, module state, RNG: as they were before planning
+    with contextlib.ExitStack() as undo:
+        undo.callback(snapshot.restore)
+        undo.enter_context(parameters_aliased(model))  # hooks on the real parameters never see planning
         if reuse is not None:
             profile = reuse.profile
         else:

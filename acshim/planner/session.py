@@ -51,6 +51,7 @@ from .profile import (
     measure_choice,
     model_signature,
 )
+from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall
 from .tracker import LiveBytes, excluded_keys, grad_keys
 
@@ -201,7 +202,7 @@ class PlanSession:
         root, root_args, root_kwargs = found
         self.root = root
         self._handle = root.register_forward_pre_hook(self._reset_position)
-        snapshot = _Snapshot(root)
+        snapshot = ModelSnapshot(root)
         try:
             with _counters_paused(), parameters_aliased(root):  # profiling never reaches the real parameters
                 self.plan = self._solve(root, root_args, root_kwargs)
@@ -434,26 +435,6 @@ def _counters_paused() -> Iterator[None]:
         stats.forwards, stats.recomputes, stats.recorder = forwards, recomputes, recorder
         if recorder is not None:
             recorder.paused = False
-
-
-class _Snapshot:
-    """Gradients, RNG state, buffers and train/eval mode of the model, put back after planning."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.grads = [(p, p.grad) for p in model.parameters()]
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.rng = torch.get_rng_state()
-        self.training = model.training
-
-    def restore(self) -> None:
-        for param, grad in self.grads:
-            param.grad = grad
-        with torch.no_grad():
-            for buffer, value in self.buffers:
-                buffer.copy_(value)
-        torch.set_rng_state(self.rng)
-        self.model.train(self.training)
 
 
 _CALL_CODES = {nn.Module._call_impl.__code__, getattr(nn.Module, "_wrapped_call_impl", nn.Module._call_impl).__code__}

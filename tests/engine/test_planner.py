@@ -279,3 +279,61 @@ def test_block_profile_counts_a_kept_input_once(half):
     for block in result.profile.blocks:
         assert input_bytes <= block.held["recompute"] < 1.5 * input_bytes
     assert result.profile.other_held > 0
+
+
+class _StatefulBlock(torch.nn.Module):
+    """BatchNorm statistics, a call counter and auxiliary values appended in forward: state a
+    planner running blocks many times must leave as it found it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32)
+        self.calls, self.aux = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.aux.append(x.detach().mean())
+        return x + self.bn(self.lin(x)).relu()
+
+
+class _StatefulNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_StatefulBlock() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("planner", ["acshim.plan", "session"])
+def test_planning_leaves_buffers_and_module_state_as_it_found_them(planner):
+    """acshim.plan used to leave BatchNorm running statistics (and any state forward changes)
+    advanced by every profiling run; the run_region session restored buffers but not module state."""
+    from acshim.planner.session import PlanSession
+
+    torch.manual_seed(0)
+    model, x = _StatefulNet(), torch.randn(16, 32)
+    aux_lists = [block.aux for block in model.blocks]
+    if planner == "acshim.plan":
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        plan(model, x, budget=0.9, repeats=1)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert [(b.calls, len(b.aux)) for b in model.blocks] == [(0, 0)] * 4
+    else:
+        reference = _StatefulNet()
+        reference.load_state_dict(model.state_dict())
+        reference(x).sum().backward()
+        acshim.apply_checkpointing(model)
+        session = PlanSession(0.9, repeats=1).start()
+        try:
+            model(x).sum().backward()  # planned inside this step, which then runs on
+        finally:
+            session.stop()
+        assert session.plan is not None
+        assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.state_dict().items())
+        # one step: one forward per block, plus one per recompute of the blocks the plan recomputes
+        recomputed = [c != "keep" for c in session.plan.choices]
+        assert [b.calls for b in model.blocks] == [1 + r for r in recomputed]
+    assert [block.aux for block in model.blocks] == aux_lists  # the same list objects
