@@ -108,6 +108,8 @@ class PlanSession:
     _head_marked: Callable[[], None] | None = None
     _shared: dict[str, SharedOffload] = field(default_factory=dict)
     world: int = 1
+    _planned_elements: int = 0
+    _warned_larger: bool = False
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self) -> PlanSession:
@@ -160,8 +162,17 @@ class PlanSession:
             site.options, site._choice = choice_options(choice), choice  # type: ignore[attr-defined]
         return run_region_now(function, args, kwargs, site.options)
 
-    def _reset_position(self, module: nn.Module, args: Any) -> None:
+    def _reset_position(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.position = 0
+        if self.mode == "planned" and not self._warned_larger:
+            elements = _input_elements(args, kwargs)
+            if elements > self._planned_elements > 0:
+                self._warned_larger = True
+                if _rank() == 0:
+                    print(f"acshim: --budget: this step's inputs hold {elements} elements, the step planned on held "
+                          f"{self._planned_elements}: activation memory grows with them, so the plan's peak may "
+                          "exceed the budget (pad batches to one length, or plan on the largest batch first)",
+                          file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------------------------- planning
     def _capture(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -201,7 +212,8 @@ class PlanSession:
                               "drop --budget)")
         root, root_args, root_kwargs = found
         self.root = root
-        self._handle = root.register_forward_pre_hook(self._reset_position)
+        self._handle = root.register_forward_pre_hook(self._reset_position, with_kwargs=True)
+        self._planned_elements = _input_elements(root_args, root_kwargs)
         snapshot = ModelSnapshot(root)
         try:
             with _counters_paused(), parameters_aliased(root):  # profiling never reaches the real parameters
@@ -522,6 +534,12 @@ def _sharded_by(root: nn.Module | None) -> str | None:
         if type(module).__name__ == "FullyShardedDataParallel":
             return "FullyShardedDataParallel"
     return None
+
+
+def _input_elements(args: Any, kwargs: Any) -> int:
+    """Elements of the tensors a model call got: what activation memory scales with."""
+    leaves, _ = structures.flatten((args, kwargs))
+    return sum(leaf.numel() for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
 def _rank() -> int:

@@ -176,3 +176,19 @@ def test_planning_never_reaches_hooks_on_the_real_parameters(planner, session_cl
     got = train_step(model, _ids(), seed=5)
     assert sorted(fired) == sorted(names.values())  # once per parameter: the script's one backward
     assert_bitwise_equal(got, expected)
+
+
+def test_larger_inputs_than_planned_warn_once(session_cleanup, capsys) -> None:
+    """A plan is made on the first step's shapes; a later, larger batch (dynamic padding) may need
+    more than the budget: said once, on stderr, with the sizes."""
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session_cleanup.append(PlanSession(0.45, repeats=1).start())
+    train_step(model, _ids())
+    train_step(model, _ids()[:1])  # smaller: nothing to say
+    assert "inputs hold" not in capsys.readouterr().err
+    larger = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(4))
+    train_step(model, larger)
+    train_step(model, larger)
+    err = capsys.readouterr().err
+    assert err.count("acshim: --budget: this step's inputs hold 128 elements, the step planned on held 64") == 1
