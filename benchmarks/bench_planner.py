@@ -273,7 +273,7 @@ def budgets_table(args: argparse.Namespace, work: Workload) -> None:
         held, peak = memory[name]
         found = plans.get(name)
         within = "" if found is None else ("yes" if peak <= found.budget else "NO")
-        choices = "" if found is None else " ".join(_short(c) for c in found.choices)
+        choices = "" if found is None else _label(found.choices, found.outside)
         # the planner's own prediction, as ratios of its predicted no checkpointing (never run)
         predicted = "" if found is None else (f"{found.peak / found.reference_peak:.2f}, "
                                               f"{found.seconds / found.reference_seconds:.2f}")
@@ -285,7 +285,7 @@ def budgets_table(args: argparse.Namespace, work: Workload) -> None:
         print("predicted frontier (budget x, peak x, step x of predicted no checkpointing):")
         for point in first.frontier():
             print(f"  {point.budget / first.reference_peak:.2f}  {point.peak / first.reference_peak:.2f}  "
-                  f"{point.seconds / first.reference_seconds:.2f}  {' '.join(_short(c) for c in point.choices)}")
+                  f"{point.seconds / first.reference_seconds:.2f}  {_label(point.choices, point.outside)}")
 
 
 # ------------------------------------------------------------------------------------------ --sweep
@@ -293,6 +293,7 @@ def budgets_table(args: argparse.Namespace, work: Workload) -> None:
 class SweepPoint:
     budget: int
     predicted: list[str]  # the frontier point's choices
+    predicted_outside: str  # and its choice for the part outside the blocks
     plan: Plan | None  # what acshim.plan returned for this budget (None: no plan measured within it)
     error: str = ""
     measured_peak: int = 0  # the bench's own measurement of plan (or, without a plan, of predicted)
@@ -316,23 +317,23 @@ def sweep(args: argparse.Namespace, work: Workload) -> None:
     for point in base.frontier():
         try:
             found = acshim.plan(model, batch, budget=point.budget, reuse=base, choices=choices)
-            points.append(SweepPoint(point.budget, point.choices, found))
+            points.append(SweepPoint(point.budget, point.choices, point.outside, found))
         except ValueError as error:
-            points.append(SweepPoint(point.budget, point.choices, None, str(error)))
+            points.append(SweepPoint(point.budget, point.choices, point.outside, None, str(error)))
 
     # One configuration per distinct set of choices; a point without a plan is measured (not timed)
     # as the frontier predicted it, to show by how much it is over.
-    configs: dict[tuple[str, ...], Recipe] = {}
+    configs: dict[str, Recipe] = {}
     for item in points:
-        shown = item.plan or Plan.from_choices(base, item.predicted)
-        configs.setdefault(tuple(shown.choices), plan_recipe(shown))
-    plan_names = {key: "plan " + " ".join(_short(c) for c in key) for key in configs}
-    memory.update(measure_recipes(model, batch, {plan_names[k]: r for k, r in configs.items()}))
-    timed = {**fixed, **{plan_names[tuple(p.plan.choices)]: configs[tuple(p.plan.choices)]
-                         for p in points if p.plan is not None}}
+        shown = item.plan or Plan.from_choices(base, item.predicted, item.predicted_outside)
+        configs.setdefault("plan " + _label(shown.choices, shown.outside), plan_recipe(shown))
+    memory.update(measure_recipes(model, batch, configs))
+    timed = {**fixed, **{name: configs[name] for name in
+                         ("plan " + _label(p.plan.choices, p.plan.outside) for p in points if p.plan is not None)}}
     steps = time_recipes(model, batch, timed, args.rounds)
     for item in points:
-        name = plan_names[tuple((item.plan or Plan.from_choices(base, item.predicted)).choices)]
+        shown = item.plan or Plan.from_choices(base, item.predicted, item.predicted_outside)
+        name = "plan " + _label(shown.choices, shown.outside)
         item.measured_peak = memory[name][1]
         item.step = steps.get(name, float("nan"))
 
@@ -347,13 +348,14 @@ def sweep(args: argparse.Namespace, work: Workload) -> None:
                 f"{item.measured_peak / none_peak:>7.2f}"
         if item.plan is None:
             print(f"{shown} {'NO':>5} {'':>7}  {'':>24}  no plan: {item.error} (frontier's "
-                  f"{' '.join(map(_short, item.predicted))} measured as shown, not timed)")
+                  f"{_label(item.predicted, item.predicted_outside)} measured as shown, not timed)")
             continue
         found = item.plan
         predicted = f"{found.peak / found.reference_peak:.2f}, {found.seconds / found.reference_seconds:.2f}"
-        differs = "" if found.choices == item.predicted else f" ({' '.join(map(_short, item.predicted))})"
+        differs = "" if (found.choices, found.outside) == (item.predicted, item.predicted_outside) else (
+            f" ({_label(item.predicted, item.predicted_outside)})")
         print(f"{shown} {'yes' if item.under else 'NO':>5} {item.step:>7.2f}  {predicted:>24}  "
-              f"{' '.join(map(_short, found.choices))}{differs}")
+              f"{_label(found.choices, found.outside)}{differs}")
     print("baselines:")
     for name in BASELINES:
         peak = memory[name][1]
@@ -388,6 +390,11 @@ def sweep(args: argparse.Namespace, work: Workload) -> None:
         print(f"  {name:<20} peak {peak / 2**20:.2f} MiB ({peak / none_peak:.2f}), step {step:.2f}: {found}")
     print(f"frontier at or below every baseline point (peak <=, step <= within {tol:.0%}): "
           f"{'yes' if all(verdicts) else 'NO'} ({sum(verdicts)} of {len(verdicts)})")
+
+
+def _label(choices: list[str], outside: str = "keep") -> str:
+    """Short per-block choices, then the outside part's when it is not kept (``| out Od``)."""
+    return " ".join(map(_short, choices)) + ("" if outside == "keep" else f" | out {_short(outside)}")
 
 
 def _short(choice: str) -> str:

@@ -218,18 +218,18 @@ def plan_pairs(model: nn.Module, batch: Any, pairs: list[Pair], choices: tuple[s
     """For each pair, the acshim plan at torch's measured peak (one profile, solved per budget); the
     configurations to run, compiled and eager, once per distinct plan (saved in ``folder``)."""
     base = acshim.plan(model, batch, budget=1.0, choices=choices)  # profiles once; solved again per budget
-    by_choices: dict[tuple[str, ...], tuple[Config, Config]] = {}
+    by_choices: dict[tuple[tuple[str, ...], str], tuple[Config, Config]] = {}
     for pair in pairs:
         try:
             pair.plan, pair.note = plan_at(model, batch, pair.torch.results["peak"], base, choices)
         except ValueError as error:
             pair.note = str(error)
             continue
-        key = tuple(pair.plan.choices)
+        key = (tuple(pair.plan.choices), pair.plan.outside)
         if key not in by_choices:
             path = folder / f"plan_{len(by_choices)}.json"
             pair.plan.save(path)
-            label = "acshim " + " ".join(map(bp._short, key))
+            label = "acshim " + bp._label(*key)
             by_choices[key] = (Config(label, compiled=True, plan=str(path)),
                                Config(label + " (eager)", compiled=False, plan=str(path)))
         pair.compiled, pair.eager = by_choices[key]

@@ -31,7 +31,7 @@ def _max(values: list[float], device: torch.device) -> list[float]:
 
 def _layout(profile: Profile) -> str:
     """What must be equal on every rank for the numbers to line up: blocks, choices, model."""
-    return "|".join([profile.signature, ",".join(profile.choices),
+    return "|".join([profile.signature, ",".join(profile.choices), ",".join(profile.outside),
                      *(f"{b.name}:{','.join(sorted(b.held))}:{','.join(sorted(b.window))}" for b in profile.blocks)])
 
 
@@ -48,6 +48,7 @@ def agree_profile(profile: Profile, device: torch.device) -> Profile:
         for table in (block.held, block.transient, block.seconds, block.window):
             fields += [(table, key) for key in sorted(table)]
     fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds")]
+    fields += [(profile.outside[choice], key) for choice in profile.outside for key in sorted(profile.outside[choice])]
     fields += [(profile.recompute_step, key) for key in sorted(profile.recompute_step)]
     values = [float(getattr(profile, key) if table is None else table[key]) for table, key in fields]
     agreed = _max(values, device)

@@ -81,8 +81,11 @@ class SharedOffload:
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         self._hooks.pop().__exit__(exc_type, exc, traceback)
-        if exc_type is None:
-            self.session.forward_end()  # a failed write is raised by the block that made it
+        if exc_type is None and not self._hooks:
+            # The outermost exit (a block's, or the model's when the part outside the blocks is
+            # offloaded) waits for the copies out and raises a failed write; a block inside the
+            # model's scope does not stall forward on them.
+            self.session.forward_end()
 
     def flush(self) -> None:
         """Send out the resident window (what the next offloaded block's saves would push out)."""
@@ -121,6 +124,34 @@ class OffloadedForward(CheckpointedForward):
         return (OffloadedForward, (self.module, self.storage, self.prefetch, self.replaced, self.scope))
 
 
+class ShieldedForward(CheckpointedForward):
+    """The instance ``forward`` of a kept, selective or recomputed block when the part of the model
+    outside the blocks is offloaded: the block runs as its choice says (``recompute``: a region
+    with ``options``; else as it is) with what it saves, its region's input included, kept where it
+    is (``no_offload``) instead of going through the offload scope around the model."""
+
+    def __init__(self, module: nn.Module, options: RegionOptions, replaced: Any = _MISSING,
+                 recompute: bool = False) -> None:
+        super().__init__(module, options, replaced)
+        self.recompute = recompute
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from ..storage import no_offload
+
+        if not torch.is_grad_enabled():
+            return self.plain_forward()(*args, **kwargs)
+        with no_offload():
+            return super().__call__(*args, **kwargs) if self.recompute else self.plain_forward()(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShieldedForward:
+        new_module = copy.deepcopy(self.module, memo)
+        replaced = self.replaced if self.replaced is _MISSING else copy.deepcopy(self.replaced, memo)
+        return ShieldedForward(new_module, self.options, replaced, self.recompute)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShieldedForward, (self.module, self.options, self.replaced, self.recompute))
+
+
 def choice_options(choice: str) -> RegionOptions:
     """The region options of a recomputing ``choice`` (selective, selective-alt, recompute,
     recompute+offload:TIER)."""
@@ -146,15 +177,24 @@ def is_offload(choice: str) -> bool:
     return choice.partition(":")[0] == "offload"
 
 
-def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, SharedOffload] | None = None) -> None:
+def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, SharedOffload] | None = None,
+            *, within_offload: bool = False) -> None:
     """Make ``block`` run as ``choice`` (in place; ``keep`` removes a region the planner installed).
     ``shared``: tier -> ``SharedOffload`` of the model (filled in as needed); pass one dict for all the
-    blocks of a model so its offloaded blocks share one schedule."""
+    blocks of a model so its offloaded blocks share one schedule. ``within_offload``: the model
+    around the block is offloaded (outside choice), so the choices that offload nothing keep the
+    block out of it (``ShieldedForward``); the offload choices use their own scope inside it."""
     base, _, tier = choice.partition(":")
     existing = checkpointed_forward_of(block)
     if existing is not None:
         block.__dict__.pop(_APPLIED, None)
         uncheckpoint_module(block)
+    if within_offload and base in ("keep", "selective", "selective-alt", "recompute"):
+        recompute = base != "keep"
+        options = choice_options(choice) if recompute else RegionOptions()
+        block.forward = ShieldedForward(block, options, block.__dict__.get("forward", _MISSING), recompute)
+        block.__dict__[_APPLIED] = block.__dict__["forward"]
+        return
     if base == "keep":
         return
     if base == "offload":
@@ -169,3 +209,23 @@ def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, 
         options = choice_options(choice)
         checkpoint_module(block, options)
     block.__dict__[_APPLIED] = block.__dict__["forward"]
+
+
+def install_outside(model: nn.Module, outside: str, prefetch: int = 2,
+                    shared: dict[str, SharedOffload] | None = None) -> None:
+    """Make the part of ``model`` outside its blocks run as ``outside``: ``keep``, or
+    ``offload:TIER`` (an offload scope around the model's forward, sharing the offloaded blocks'
+    schedule through ``shared``; the blocks' own choices take precedence inside them). Only a
+    forward the planner installed is replaced or removed."""
+    ours = isinstance(model.__dict__.get(_APPLIED), OffloadedForward) and model.__dict__.get(
+        "forward") is model.__dict__.get(_APPLIED)
+    if outside == "keep":
+        if ours:
+            install(model, "keep")
+        return
+    if not is_offload(outside):
+        raise ValueError(f"unknown outside choice {outside!r}: keep or offload:TIER")
+    if checkpointed_forward_of(model) is not None and not ours:
+        raise ValueError(f"{type(model).__name__} is itself a checkpointed region; the part outside its blocks "
+                         "cannot also be offloaded (remove its checkpointing first)")
+    install(model, outside, prefetch, shared)

@@ -15,7 +15,7 @@ from torch import nn
 from ..blocks import find_blocks
 from .aliases import parameters_aliased
 from .budget import format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, expand_choices, install
+from .choices import BASE_CHOICES, SharedOffload, expand_choices, install, install_outside, is_offload
 from .profile import ModelState, Profile, measure_step, model_signature, profile_model
 from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
@@ -32,6 +32,7 @@ class FrontierPoint:
     held: int
     seconds: float
     choices: list[str]
+    outside: str = "keep"
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Plan:
     reference_peak: int = 0
     reference_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    outside: str = "keep"
+    """The choice for the part of the model outside the blocks (embeddings, head, loss inside the
+    forward): ``keep`` or ``offload:TIER``, through the offloaded blocks' schedule."""
 
     # -------------------------------------------------------------------------------- apply
     def apply(self, model: nn.Module) -> list[str]:
@@ -62,8 +66,10 @@ class Plan:
         model other than the one planned for raises ``ValueError`` and is left untouched."""
         blocks = self._blocks_of(model)
         shared: dict[str, SharedOffload] = {}  # the offloaded blocks share one schedule per tier
+        within = is_offload(self.outside)
         for (_, block), choice in zip(blocks, self.choices, strict=True):
-            install(block, choice, self.profile.prefetch, shared)
+            install(block, choice, self.profile.prefetch, shared, within_offload=within)
+        install_outside(model, self.outside, self.profile.prefetch, shared)
         return [name for name, choice in zip(self.blocks, self.choices, strict=True) if choice != "keep"]
 
     def _blocks_of(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -78,15 +84,17 @@ class Plan:
         return blocks
 
     @classmethod
-    def from_choices(cls, base: Plan, choices: list[str]) -> Plan:
-        """A plan with ``base``'s profile and the given per-block ``choices`` (predictions recomputed)."""
+    def from_choices(cls, base: Plan, choices: list[str], outside: str = "keep") -> Plan:
+        """A plan with ``base``'s profile and the given per-block ``choices`` and ``outside`` choice
+        (predictions recomputed)."""
         unknown = sorted(set(choices) - set(base.profile.choices))
         if len(choices) != len(base.blocks) or unknown:
             raise ValueError(f"need one profiled choice per block ({len(base.blocks)}); unknown: {unknown}")
         profile = base.profile
-        return cls(base.budget, list(base.blocks), list(choices), profile.held_of(choices), profile.peak_of(choices),
-                   profile.seconds_of(choices), profile, reference_peak=base.reference_peak,
-                   reference_seconds=base.reference_seconds)
+        profile.other(outside)  # ValueError for an outside choice that was not profiled
+        return cls(base.budget, list(base.blocks), list(choices), profile.held_of(choices, outside),
+                   profile.peak_of(choices, outside), profile.seconds_of(choices, outside), profile,
+                   reference_peak=base.reference_peak, reference_seconds=base.reference_seconds, outside=outside)
 
     # -------------------------------------------------------------------------------- persistence
     def to_json(self) -> dict[str, Any]:
@@ -118,8 +126,9 @@ class Plan:
         for block, name, choice in zip(self.profile.blocks, self.blocks, self.choices, strict=True):
             rows.append(f"{name:<24} {choice:<24} {format_bytes(block.held[choice]):>10} "
                         f"{format_bytes(block.transient[choice]):>10} {block.seconds[choice] * 1e3:>8.1f}")
-        rows.append(f"{'(outside blocks)':<24} {'':<24} {format_bytes(self.profile.other_held):>10} "
-                    f"{format_bytes(self.profile.other_transient):>10} {self.profile.other_seconds * 1e3:>8.1f}")
+        other_held, other_transient, other_seconds = self.profile.other(self.outside)
+        rows.append(f"{'(outside blocks)':<24} {self.outside:<24} {format_bytes(other_held):>10} "
+                    f"{format_bytes(other_transient):>10} {other_seconds * 1e3:>8.1f}")
         rows.append(f"predicted: held {format_bytes(self.held)}, peak {format_bytes(self.peak)} "
                     f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
                     f"({self.seconds / ref_seconds:.2f}x)")
@@ -145,7 +154,7 @@ class Plan:
                 found = solve(self.profile, budget)
             except BudgetTooSmall:
                 continue
-            points.append(FrontierPoint(budget, found.peak, found.held, found.seconds, found.choices))
+            points.append(FrontierPoint(budget, found.peak, found.held, found.seconds, found.choices, found.outside))
         return points
 
 
@@ -231,7 +240,7 @@ def solve_within(profile: Profile, budget: int | float | str,
                              f"the least achievable peak {format_bytes(error.minimum)}") from None
         result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
-                      notes=list(notes))
+                      notes=list(notes), outside=found.outside)
         if measure is None:
             return result
         held, peak = measure(result)

@@ -1,8 +1,11 @@
 """Measure each block once per choice, without ever running the whole model unchecked.
 
 1. One step with every block fully recomputed, under ``LiveBytes``: it captures each block's inputs
-   (copies made outside the tracker) and gives the memory and time of everything outside the blocks
-   (embeddings, head, loss). A second, untracked, step of the same configuration gives its time.
+   and outputs (copies made outside the tracker).
+   What lies outside the blocks (embeddings, head, loss inside the forward) is then measured alone:
+   each block replays its recorded output (``replay``), one tracked step gives that part's held
+   and transient bytes, untracked ones its time; again per offload tier with that part's saved
+   tensors offloaded (``Profile.outside``). A fraction of a step each, where whole steps cost more.
 2. Each block alone, per choice, on its captured input: bytes held when its forward ends, the
    transient above that during its recompute and backward, and its forward+backward time (fastest of
    ``repeats`` untracked runs). Blocks with the same class, parameter shapes and input shapes share
@@ -35,11 +38,14 @@ from ..apply import _APPLIED
 from ..blocks import find_blocks
 from ..measure import default_loss
 from ..region_state import region_inputs
-from .choices import SharedOffload, install, is_offload
+from ..wrap import _MISSING
+from .choices import SharedOffload, install, install_outside, is_offload
+from .replay import Copies, recorded_keys, replay
 from .tracker import LiveBytes, excluded_keys, grad_keys, storage_key
 
-METHOD = ("measured block by block: one step with every block fully recomputed captured each block's input, "
-          "then each block ran alone per choice (offload: two copies through one shared schedule)")
+METHOD = ("measured block by block: one step with every block fully recomputed captured each block's input and "
+          "output, the rest of the model ran alone (blocks replayed), kept and offloaded, then each block ran alone "
+          "per choice (offload: two copies through one shared schedule)")
 
 
 @dataclass
@@ -70,36 +76,55 @@ class Profile:
     prefetch: int
     method: str = METHOD
     recompute_step: dict[str, float] = field(default_factory=dict)
+    outside: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per offload choice for what lies outside the blocks (``offload:disk``): its ``held``,
+    ``transient`` and ``seconds`` with that part's saved tensors offloaded (``keep``: the
+    ``other_*`` fields)."""
+
+    def outside_choices(self) -> list[str]:
+        """``keep`` and the profiled offload choices for the part outside the blocks."""
+        return ["keep", *self.outside]
+
+    def other(self, outside: str = "keep") -> tuple[int, int, float]:
+        """``(held, transient, seconds)`` of the part outside the blocks run as ``outside``."""
+        if outside == "keep":
+            return self.other_held, self.other_transient, self.other_seconds
+        if outside not in self.outside:
+            raise ValueError(f"outside choice {outside!r} was not profiled; profiled: {self.outside_choices()}")
+        entry = self.outside[outside]
+        return int(entry["held"]), int(entry["transient"]), float(entry["seconds"])
 
     def window(self) -> int:
         """Bytes of the shared offload schedule's resident window (largest over blocks), 0 without
         an offload choice."""
         return max((size for b in self.blocks for c, size in b.window.items() if is_offload(c)), default=0)
 
-    def peak_of(self, assignment: list[str]) -> int:
+    def peak_of(self, assignment: list[str], outside: str = "keep") -> int:
         """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes;
-        after the first offloaded block, the shared schedule's window is resident too (an offloaded
+        after the first offloaded block (from the start when the outside part is offloaded: the
+        embeddings' tensors come first), the shared schedule's window is resident too (an offloaded
         block's own transient includes it: it was measured among offloaded blocks)."""
-        window, seen = self.window(), False
+        other_held, other_transient, _ = self.other(outside)
+        window, seen, first = self.window(), False, is_offload(outside)
         prefix, worst = 0, 0
         for block, choice in zip(self.blocks, assignment, strict=True):
             prefix += block.held[choice]
-            extra = window if seen and not is_offload(choice) else 0
+            extra = window if (seen or first) and not is_offload(choice) else 0
             worst = max(worst, prefix + block.transient[choice] + extra)
             seen = seen or is_offload(choice)
-        return self.other_held + max(worst, prefix + self.other_transient + (window if seen else 0))
+        return other_held + max(worst, prefix + other_transient + (window if seen else 0))
 
-    def held_of(self, assignment: list[str]) -> int:
-        return self.other_held + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
+    def held_of(self, assignment: list[str], outside: str = "keep") -> int:
+        return self.other(outside)[0] + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
 
-    def seconds_of(self, assignment: list[str]) -> float:
-        return self.other_seconds + sum(b.seconds[c] for b, c in zip(self.blocks, assignment, strict=True))
+    def seconds_of(self, assignment: list[str], outside: str = "keep") -> float:
+        return self.other(outside)[2] + sum(b.seconds[c] for b, c in zip(self.blocks, assignment, strict=True))
 
     def to_json(self) -> dict[str, Any]:
         return {"blocks": [vars(b) for b in self.blocks], "choices": self.choices, "other_held": self.other_held,
                 "other_transient": self.other_transient, "other_seconds": self.other_seconds,
                 "signature": self.signature, "prefetch": self.prefetch, "method": self.method,
-                "recompute_step": self.recompute_step}
+                "recompute_step": self.recompute_step, "outside": self.outside}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
@@ -131,14 +156,15 @@ class ModelState:
     """Snapshot of what profiling touches: block forwards, parameter gradients, RNG states."""
 
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
-        self.model, self.blocks = model, blocks
-        self.forwards = [(block.__dict__.get("forward"), block.__dict__.get(_APPLIED)) for _, block in blocks]
+        self.model = model
+        self.modules = [block for _, block in blocks] + [model]  # the model: the outside choice's scope
+        self.forwards = [(module.__dict__.get("forward"), module.__dict__.get(_APPLIED)) for module in self.modules]
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.rng = torch.get_rng_state()
         self.training = model.training
 
     def restore(self) -> None:
-        for (_, block), (forward, applied) in zip(self.blocks, self.forwards, strict=True):
+        for block, (forward, applied) in zip(self.modules, self.forwards, strict=True):
             for key, value in (("forward", forward), (_APPLIED, applied)):
                 if value is None:
                     block.__dict__.pop(key, None)
@@ -149,11 +175,6 @@ class ModelState:
         torch.set_rng_state(self.rng)
         self.model.train(self.training)
 
-
-
-def _map(value: Any) -> Any:
-    leaves, rebuild = structures.flatten(value)
-    return rebuild([leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
 
 def _grad_flags(value: Any) -> list[bool]:
@@ -291,6 +312,8 @@ def profile_model(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
 def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None, choices: list[str],
              prefetch: int, repeats: int, blocks: list[tuple[str, nn.Module]]) -> Profile:
     captured: dict[str, tuple[Any, Any, list[bool]]] = {}
+    outputs: dict[str, Any] = {}
+    copies = Copies()
     tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)))
     handles = []
 
@@ -300,37 +323,33 @@ def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
                 # what a region of this block receives: a Hugging Face cache dropped (a block run
                 # again on a captured cache would extend it and backpropagate into a freed graph)
                 args, kwargs = region_inputs(module.forward, tuple(args), dict(kwargs))
-                captured[name] = (*_map_untracked((args, kwargs)), _grad_flags((args, kwargs)))
+                captured[name] = (*copies((args, kwargs)), _grad_flags((args, kwargs)))
         return hook
 
-    def head_done(module: nn.Module, args: Any, output: Any) -> None:
-        if "forward" in tracker.marks or not torch.is_grad_enabled():
-            return
-        for leaf in structures.flatten(output)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(lambda grad: tracker.mark("head") if "head" not in tracker.marks else None)
-                break
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if name not in outputs and torch.is_grad_enabled():
+                outputs[name] = copies(output)
+        return hook
 
     for name, block in blocks:
         install(block, "recompute")
         handles.append(block.register_forward_pre_hook(capture(name), with_kwargs=True))
-    handles.append(blocks[-1][1].register_forward_hook(head_done))
-    model.zero_grad(set_to_none=True)
+        handles.append(block.register_forward_hook(record(name)))
     try:
-        with tracker:
-            run_step(model, inputs, loss_fn, tracker)
-            tracker.mark("end")
+        held_full, peak_full, whole_peak = _model_step_bytes(model, inputs, loss_fn, blocks, tracker)
     finally:
         for handle in handles:
             handle.remove()
-    series = tracker.series(grad_keys(model))
-    tracker.release()
-    held_full = series[tracker.marks["forward"] - 1]
-    head_end = tracker.marks.get("head", len(series))
-    other_peak = max(series[:max(head_end, tracker.marks["forward"])])
     model.zero_grad(set_to_none=True)
-    step_seconds = _timed(lambda: run_step(model, inputs, loss_fn), repeats)
-    model.zero_grad(set_to_none=True)
+    # What lies outside the blocks, alone (blocks replayed): kept, and offloaded per tier
+    outside: dict[str, dict[str, float]] = {}
+    tiers = [f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c)]
+    for choice in ["keep", *dict.fromkeys(tiers)]:
+        held, peak, seconds = _outside_alone(model, inputs, loss_fn, blocks, outputs, choice, prefetch, repeats)
+        outside[choice] = {"held": held, "transient": max(0, peak - held), "seconds": seconds}
+    kept = outside.pop("keep")
+    _err_high(kept, outside, whole_peak - held_full)
 
     profiles: list[BlockProfile] = []
     measured: dict[tuple[Any, ...], BlockProfile] = {}
@@ -356,17 +375,80 @@ def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
         install(block, "recompute")
         measured[key] = BlockProfile(name, held, transient, seconds, window=window)
         profiles.append(measured[key])
-    other_held = max(0, held_full - sum(p.held["recompute"] for p in profiles))
-    other_seconds = max(0.0, step_seconds - sum(p.seconds["recompute"] for p in profiles))
-    return Profile(blocks=profiles, choices=list(choices), other_held=other_held,
-                   other_transient=max(0, other_peak - held_full), other_seconds=other_seconds,
+    seconds = kept["seconds"] + sum(p.seconds["recompute"] for p in profiles)
+    return Profile(blocks=profiles, choices=list(choices), other_held=int(kept["held"]),
+                   other_transient=int(kept["transient"]), other_seconds=kept["seconds"],
                    signature=model_signature(model, blocks), prefetch=prefetch,
-                   recompute_step={"held": held_full, "peak": max(series), "seconds": step_seconds})
+                   recompute_step={"held": held_full, "peak": peak_full, "seconds": seconds}, outside=outside)
 
 
-def _map_untracked(value: Any) -> Any:
-    with _disable_current_modes():
-        return _map(value)
+def _model_step_bytes(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                      blocks: list[tuple[str, nn.Module]], tracker: LiveBytes) -> tuple[int, int, int]:
+    """One step under ``tracker``: ``(held after forward, peak, peak outside the blocks)``, the last
+    over forward and the head's backward (up to the gradient reaching the last block)."""
+
+    def head_done(module: nn.Module, args: Any, output: Any) -> None:
+        if "forward" in tracker.marks or not torch.is_grad_enabled():
+            return
+        for leaf in structures.flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(lambda grad: tracker.mark("head") if "head" not in tracker.marks else None)
+                break
+
+    handle = blocks[-1][1].register_forward_hook(head_done)
+    model.zero_grad(set_to_none=True)
+    try:
+        with tracker:
+            run_step(model, inputs, loss_fn, tracker)
+            tracker.mark("end")
+    finally:
+        handle.remove()
+    series = tracker.series(grad_keys(model))
+    tracker.release()
+    held = series[tracker.marks["forward"] - 1]
+    head_end = tracker.marks.get("head", len(series))
+    return held, max(series), max(series[:max(head_end, tracker.marks["forward"])])
+
+
+def _outside_alone(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                   blocks: list[tuple[str, nn.Module]], outputs: dict[str, Any], outside: str, prefetch: int,
+                   repeats: int) -> tuple[int, int, float]:
+    """``(held after forward, peak up to the head's backward, seconds)`` of the part of the model
+    outside the blocks run as ``outside``, each block replaced by its recorded output
+    (``replay``); the blocks' and the model's forwards are put back afterwards."""
+    forwards = [block.__dict__.get("forward", _MISSING) for _, block in blocks]
+    for name, block in blocks:
+        block.forward = functools.partial(_replayed, outputs[name])
+    try:
+        install_outside(model, outside, prefetch, {})
+        model.zero_grad(set_to_none=True)
+        tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)) | recorded_keys(outputs))
+        held, _, peak = _model_step_bytes(model, inputs, loss_fn, blocks, tracker)  # warms a tier up too
+        model.zero_grad(set_to_none=True)
+        seconds = _timed(lambda: run_step(model, inputs, loss_fn), repeats)
+    finally:
+        install_outside(model, "keep")
+        for (_, block), forward in zip(blocks, forwards, strict=True):
+            if forward is _MISSING:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = forward
+        model.zero_grad(set_to_none=True)
+    return held, peak, seconds
+
+
+def _err_high(kept: dict[str, float], offloaded: dict[str, dict[str, float]], whole_transient: int) -> None:
+    """Raise the outside part's transients (in place) by what the profiling step of the whole model
+    saw above the replayed one (the blocks' own forward transients, which the replay leaves out):
+    the prediction errs towards more memory, equally for each outside choice."""
+    extra = max(0, whole_transient - int(kept["transient"]))
+    for entry in (kept, *offloaded.values()):
+        entry["transient"] = int(entry["transient"]) + extra
+
+
+def _replayed(recorded: Any, *args: Any, **kwargs: Any) -> Any:
+    return replay(recorded, args, kwargs)
+
 
 
 def _timed(function: Callable[[], None], repeats: int) -> float:

@@ -9,13 +9,15 @@ The first region call of the script's first step plans, there and then, within t
 1. the model being run is the outermost ``nn.Module`` call on the stack (data-parallel wrappers
    skipped), with the inputs it was called with;
 2. one step of that model runs with every region fully recomputed, under the live-bytes tracker: it
-   captures each region's inputs and measures what lies outside the regions (the whole model never
-   runs without checkpointing); a second, untracked one times it;
+   captures each region's inputs and output (the whole model never runs without checkpointing);
+   what lies outside the regions is then measured alone, each region replaying its recorded output
+   (``replay``): kept, and per offload tier offloaded;
 3. each region runs alone per choice on its captured inputs (``acshim.plan``'s block profile);
 4. ``solve_within`` solves exactly and verifies on one more step, re-solving if measured over budget;
 5. gradients, RNG state and buffers are put back, and the interrupted step continues under the
    plan: region i runs as keep (a plain call), selective, recompute, offload or recompute+offload,
-   whatever the script asked for. One line on stderr says what was replaced.
+   whatever the script asked for; an offloaded outside part gets its scope around the model's
+   forward from the next step on. One line on stderr says what was replaced.
 """
 
 from __future__ import annotations
@@ -36,28 +38,31 @@ from .. import structures
 from ..measure import default_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
+from ..storage import no_offload
+from ..wrap import checkpointed_forward_of
 from .agree import agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, is_offload
+from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, install_outside, is_offload
 from .plan import Plan, solve_within
 from .profile import (
     BlockProfile,
     Profile,
     _block_key,
+    _err_high,
     _grad_flags,
-    _map_untracked,
     _timed,
     measure_choice,
     model_signature,
 )
+from .replay import Copies, recorded_keys, replay
 from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall
 from .tracker import LiveBytes, excluded_keys, grad_keys
 
 METHOD = ("measured on the script's first step: one step of the model with every region fully recomputed "
-          "captured each region's input, then each region ran alone per choice (offload: two copies through one "
-          "shared schedule)")
+          "captured each region's input and output, the rest of the model ran alone (regions replayed), kept and "
+          "offloaded, then each region ran alone per choice (offload: two copies through one shared schedule)")
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "FullyShardedDataParallel",
              "DistributedModel", "PipelineModule")
@@ -81,6 +86,8 @@ class RegionSite:
     dialect: str
     asked: str
     captured: tuple[Any, Any, list[bool]] | None = None
+    recorded: Any = None
+    """Its output in the profiling step (copies), replayed while the rest of the model is measured."""
     options: RegionOptions | None = None
     calls: int = 0
 
@@ -110,6 +117,9 @@ class PlanSession:
     world: int = 1
     _planned_elements: int = 0
     _warned_larger: bool = False
+    _copies: Copies = field(default_factory=Copies)
+    _outside: str = "keep"
+    """How the part of the model outside the regions runs now (the plan's, or a candidate's)."""
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self) -> PlanSession:
@@ -126,6 +136,9 @@ class PlanSession:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self.root is not None and self._outside != "keep":
+            install_outside(self.root, "keep")  # the model's own forward back
+            self._outside = "keep"
 
     # ---------------------------------------------------------------------------------- routing
     def route(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -136,8 +149,10 @@ class PlanSession:
         self.position += 1
         if self.mode == "capture":
             return self._capture(index, function, args, kwargs, options)
-        if self.mode == "recompute":
-            return run_region_now(function, args, kwargs, RegionOptions())
+        if self.mode == "replay" and index < len(self.sites):
+            return self._mark_head(replay(self.sites[index].recorded, args, kwargs))
+        if self.mode in ("recompute", "replay"):
+            return self._mark_head(run_region_now(function, args, kwargs, RegionOptions()))
         choices = self._candidate if self.mode == "measure" else self.plan.choices  # type: ignore[union-attr]
         if choices is None or index >= len(choices) or index >= len(self.sites):
             return run_region_now(function, args, kwargs, RegionOptions())  # more regions than planned: safe
@@ -150,6 +165,9 @@ class PlanSession:
         base, _, tier = choice.partition(":")
         if base == "keep":
             engine.STATS.forward(function)
+            if self._outside != "keep":  # the model around it is offloaded: a kept region is not
+                with no_offload():
+                    return function(*args, **kwargs)
             return function(*args, **kwargs)
         if base == "offload":
             scope = self._shared.get(tier)
@@ -160,6 +178,9 @@ class PlanSession:
                 return function(*args, **kwargs)
         if site.options is None or getattr(site, "_choice", None) != choice:
             site.options, site._choice = choice_options(choice), choice  # type: ignore[attr-defined]
+        if self._outside != "keep" and base != "recompute+offload":  # as for keep: not offloaded
+            with no_offload():
+                return run_region_now(function, args, kwargs, site.options)
         return run_region_now(function, args, kwargs, site.options)
 
     def _reset_position(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -183,8 +204,15 @@ class PlanSession:
             site = RegionSite(function, owner, _dialect_of_caller(), _describe(options))
             self.sites.append(site)
         if site.captured is None:
-            site.captured = (*_map_untracked((args, kwargs)), _grad_flags((args, kwargs)))
+            site.captured = (*self._copies((args, kwargs)), _grad_flags((args, kwargs)))
         output = run_region_now(function, args, kwargs, RegionOptions())
+        if site.recorded is None:
+            site.recorded = self._copies(output)
+        return self._mark_head(output)
+
+    def _mark_head(self, output: Any) -> Any:
+        """While a step is tracked, mark when the gradient reaches this region's output: what runs
+        before that in backward (the head, the loss) belongs to the part outside the regions."""
         if self._head_marked is not None:
             for leaf in structures.flatten(output)[0]:
                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
@@ -230,6 +258,11 @@ class PlanSession:
             raise
         snapshot.restore()
         self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
+        if self.plan.outside != "keep":
+            # From the next step on (this one's forward began without it: its part before the
+            # first region stays where it is)
+            install_outside(root, self.plan.outside, self.prefetch, self._shared)
+            self._outside = self.plan.outside
         lead = _rank() == 0  # every rank has the same plan: one rank says it
         if lead:
             print(self.summary(), file=sys.stderr, flush=True)
@@ -266,17 +299,23 @@ class PlanSession:
         series = tracker.series(grad_keys(root))
         tracker.release()
         held_full = series[tracker.marks["forward"] - 1]
-        head_end = tracker.marks.get("head", len(series))
-        other_peak = max(series[:max(head_end, tracker.marks["forward"])])
-        self.mode = "recompute"
-        root.zero_grad(set_to_none=True)
-        step_seconds = _timed(step, self.repeats)
-
-        # 2. each region alone, per choice
+        whole_peak = max(series[:max(tracker.marks.get("head", len(series)), tracker.marks["forward"])])
         tiers = (self.storage,) if self.storage else (("disk",) if _device(root).type == "cpu" else ("host",))
         choices = expand_choices(self.choices, tiers)
         if "recompute" not in choices:
             choices.append("recompute")
+        # what lies outside the regions, alone (regions replayed): kept, and offloaded per tier
+        outside: dict[str, dict[str, float]] = {}
+        parts = ["keep"]
+        if checkpointed_forward_of(root) is None:  # a model that is itself a region has no outside part
+            parts += dict.fromkeys(f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c))
+        for part in parts:
+            held, peak, seconds = self._outside_alone(root, part, step, excluded)
+            outside[part] = {"held": held, "transient": max(0, peak - held), "seconds": seconds}
+        kept = outside.pop("keep")
+        _err_high(kept, outside, whole_peak - held_full)
+
+        # 2. each region alone, per choice
         names = _site_names(root, self.sites)
         self.names = names
         profiles: list[BlockProfile] = []
@@ -306,14 +345,14 @@ class PlanSession:
             profiles.append(measured[key])
         root.zero_grad(set_to_none=True)
         profile = Profile(
-            blocks=profiles, choices=choices,
-            other_held=max(0, held_full - sum(p.held["recompute"] for p in profiles)),
-            other_transient=max(0, other_peak - held_full),
-            other_seconds=max(0.0, step_seconds - sum(p.seconds["recompute"] for p in profiles)),
+            blocks=profiles, choices=choices, other_held=int(kept["held"]), other_transient=int(kept["transient"]),
+            other_seconds=kept["seconds"],
             signature=model_signature(root, [(n, s.owner if s.owner is not None else root)
                                              for n, s in zip(names, self.sites, strict=True)]),
             prefetch=self.prefetch, method=METHOD,
-            recompute_step={"held": held_full, "peak": max(series), "seconds": step_seconds})
+            recompute_step={"held": held_full, "peak": max(series),
+                            "seconds": kept["seconds"] + sum(p.seconds["recompute"] for p in profiles)},
+            outside=outside)
 
         if self.world > 1:  # every rank solves the same numbers, so every rank gets the same plan
             profile = agree_profile(profile, _device(root))
@@ -324,9 +363,15 @@ class PlanSession:
             self.mode, self._candidate = "measure", candidate.choices
             root.zero_grad(set_to_none=True)
             tracker = LiveBytes(set(excluded))
-            with tracker:
-                step(tracker)
-                tracker.mark("end")
+            install_outside(root, candidate.outside, self.prefetch, self._shared)
+            self._outside = candidate.outside
+            try:
+                with tracker:
+                    step(tracker)
+                    tracker.mark("end")
+            finally:
+                install_outside(root, "keep")
+                self._outside = "keep"
             found = tracker.series(grad_keys(root))
             tracker.release()
             self._shared = {}
@@ -334,6 +379,31 @@ class PlanSession:
             return agree_measurement(held, peak, _device(root)) if self.world > 1 else (held, peak)
 
         return solve_within(profile, self.budget, measure)
+
+    def _outside_alone(self, root: nn.Module, outside: str, step: Callable[..., None], excluded: set[int]
+                       ) -> tuple[int, int, float]:
+        """``(held after forward, peak up to the head's backward, seconds)`` of the part of the model
+        outside the regions run as ``outside``, every region replaying its recorded output."""
+        self.mode = "replay"
+        install_outside(root, outside, self.prefetch, {})
+        tracker = LiveBytes(set(excluded) | recorded_keys([site.recorded for site in self.sites]))
+        self._head_marked = lambda: tracker.mark("head") if "head" not in tracker.marks else None
+        try:
+            root.zero_grad(set_to_none=True)
+            with tracker:  # warms a tier up too
+                step(tracker)
+                tracker.mark("end")
+            self._head_marked = None
+            root.zero_grad(set_to_none=True)
+            seconds = _timed(step, self.repeats)
+        finally:
+            self._head_marked = None
+            install_outside(root, "keep")
+            root.zero_grad(set_to_none=True)
+        series = tracker.series(grad_keys(root))
+        tracker.release()
+        held = series[tracker.marks["forward"] - 1]
+        return held, max(series[:max(tracker.marks.get("head", len(series)), tracker.marks["forward"])]), seconds
 
     def _alone(self, site: RegionSite, choice: str, *args: Any, **kwargs: Any) -> Any:
         return self.run_choice(site, choice, site.function, args, kwargs)
@@ -354,7 +424,9 @@ class PlanSession:
             if plan.reference_peak and plan.measured_peak is not None else ""
         return (f"acshim: --budget {format_bytes(plan.budget)}: replaced {len(self.sites)} region(s) "
                 f"({', '.join(f'{n} {k}' for k, n in asked.items())}) by the plan "
-                f"({', '.join(f'{n} {c}' for c, n in chosen.items())}); predicted peak {format_bytes(plan.peak)}, "
+                f"({', '.join(f'{n} {c}' for c, n in chosen.items())}"
+                f"{'' if plan.outside == 'keep' else f'; outside the regions: {plan.outside}'}); "
+                f"predicted peak {format_bytes(plan.peak)}, "
                 f"measured {format_bytes(plan.measured_peak or 0)}{ratio}")
 
     def report(self) -> str:

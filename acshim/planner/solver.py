@@ -12,6 +12,11 @@ block's last tensors, or an earlier one's prefetched ahead) is added to the tran
 block that is not offloaded after the first offloaded one, and to the outside transient when any
 block is offloaded (an offloaded block's own transient was measured among offloaded blocks).
 
+The part outside the blocks has choices too: ``keep``, or its saved tensors offloaded through the
+same shared schedule (``Profile.outside``, measured with the blocks recomputed). Offloaded, its
+embeddings' tensors come before every block, so the window is resident during every block that is
+not offloaded. The solver runs once per outside choice and keeps the fastest.
+
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
 block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
 window) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
@@ -42,6 +47,7 @@ class Solution:
     held: int
     peak: int
     seconds: float
+    outside: str = "keep"
 
 
 class BudgetTooSmall(ValueError):
@@ -64,42 +70,44 @@ def _up(size: int, unit: int) -> int:
     return -(-size // unit)
 
 
-def rounded_peak(profile: Profile, assignment: list[str]) -> int:
+def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep") -> int:
     """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up)."""
     unit = unit_of(profile)
-    window, seen = _up(profile.window(), unit) * unit, False
+    other_held, other_transient, _ = profile.other(outside)
+    window, seen, first = _up(profile.window(), unit) * unit, False, is_offload(outside)
     prefix, worst = 0, 0
     for block, choice in zip(profile.blocks, assignment, strict=True):
         prefix += _up(block.held[choice], unit) * unit
         worst = max(worst, prefix + _up(block.transient[choice], unit) * unit
-                    + (window if seen and not is_offload(choice) else 0))
+                    + (window if (seen or first) and not is_offload(choice) else 0))
         seen = seen or is_offload(choice)
-    return profile.other_held + max(worst, prefix + profile.other_transient + (window if seen else 0))
+    return other_held + max(worst, prefix + other_transient + (window if seen else 0))
 
 
 def minimum_peak(profile: Profile) -> int:
     """The least predicted peak over all assignments (bisection on the solver's feasibility)."""
-    low = profile.other_held + profile.other_transient
-    high = rounded_peak(profile, [min(profile.choices, key=lambda c, b=b: (b.held[c], b.transient[c]))
-                                  for b in profile.blocks])
-    high = max(high, low)
+    least = [min(profile.choices, key=lambda c, b=b: (b.held[c], b.transient[c])) for b in profile.blocks]
+    low = min(sum(profile.other(o)[:2]) for o in profile.outside_choices())
+    high = max(min(rounded_peak(profile, least, o) for o in profile.outside_choices()), low)
     while low < high:
         middle = (low + high) // 2
-        if _search(profile, middle) is None:
+        if all(_search(profile, middle, o) is None for o in profile.outside_choices()):
             low = middle + 1
         else:
             high = middle
     return low
 
 
-def _search(profile: Profile, budget: int) -> list[int] | None:
+def _search(profile: Profile, budget: int, outside: str = "keep") -> list[int] | None:
     unit = unit_of(profile)
-    room = budget - profile.other_held
-    if room < profile.other_transient:
+    other_held, other_transient, _ = profile.other(outside)
+    first = is_offload(outside)
+    room = budget - other_held
+    if room < other_transient:
         return None
     window = _up(profile.window(), unit)
     size = room // unit
-    final = [(room - profile.other_transient) // unit, (room - profile.other_transient) // unit - window]
+    final = [(room - other_transient) // unit, (room - other_transient) // unit - window]
     held = np.array([[_up(b.held[c], unit) for c in profile.choices] for b in profile.blocks], dtype=np.int64)
     transient = np.array([[_up(b.transient[c], unit) for c in profile.choices] for b in profile.blocks],
                          dtype=np.int64)
@@ -117,7 +125,7 @@ def _search(profile: Profile, budget: int) -> list[int] | None:
         for choice in range(held.shape[1]):
             weight = int(held[block, choice])
             for seen in (0, 1):
-                extra = int(transient[block, choice]) + (window if seen and not offloads[choice] else 0)
+                extra = int(transient[block, choice]) + (window if (seen or first) and not offloads[choice] else 0)
                 limit = size - weight - extra  # largest prefix before this block that still fits
                 if limit < 0:
                     continue
@@ -150,10 +158,19 @@ def _search(profile: Profile, budget: int) -> list[int] | None:
 
 
 def solve(profile: Profile, budget: int) -> Solution:
-    """The fastest assignment whose predicted peak is at most ``budget`` bytes (``BudgetTooSmall``
-    naming the least achievable peak otherwise)."""
-    picked = _search(profile, budget)
-    if picked is None:
+    """The fastest assignment (blocks and the part outside them) whose predicted peak is at most
+    ``budget`` bytes (``BudgetTooSmall`` naming the least achievable peak otherwise). On equal
+    time the outside part is kept (it is listed first)."""
+    best: Solution | None = None
+    for outside in profile.outside_choices():
+        picked = _search(profile, budget, outside)
+        if picked is None:
+            continue
+        names = [profile.choices[i] for i in picked]
+        found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
+                         profile.seconds_of(names, outside), outside)
+        if best is None or found.seconds < best.seconds:
+            best = found
+    if best is None:
         raise BudgetTooSmall(budget, minimum_peak(profile))
-    names = [profile.choices[i] for i in picked]
-    return Solution(names, profile.held_of(names), rounded_peak(profile, names), profile.seconds_of(names))
+    return best

@@ -14,6 +14,7 @@ from acshim.planner import BudgetTooSmall, Plan, measure_step, parse_budget, pla
 from acshim.planner.budget import budget_at_least
 from acshim.planner.choices import expand_choices
 from acshim.planner.profile import BlockProfile, Profile
+from acshim.planner.replay import Copies, replay
 from acshim.planner.solver import minimum_peak, rounded_peak, solve
 from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
 
@@ -90,34 +91,55 @@ def test_model_without_blocks_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------- solver
-def random_profile(rng: random.Random, blocks: int, choices: list[str]) -> Profile:
+def random_profile(rng: random.Random, blocks: int, choices: list[str], outside: bool = False) -> Profile:
     return Profile(
         blocks=[BlockProfile(f"b{i}", {c: rng.randrange(0, 5000) for c in choices},
                              {c: rng.randrange(0, 3000) for c in choices}, {c: rng.random() for c in choices},
                              window={c: rng.randrange(0, 2000) for c in choices if c.startswith("offload")})
                 for i in range(blocks)],
         choices=choices, other_held=rng.randrange(0, 2000), other_transient=rng.randrange(0, 2000),
-        other_seconds=0.1, signature="x", prefetch=2)
+        other_seconds=0.1, signature="x", prefetch=2,
+        outside={"offload:disk": {"held": rng.randrange(0, 2000), "transient": rng.randrange(0, 2000),
+                                  "seconds": rng.choice([0.05, 0.1, 0.3])}} if outside else {})
 
 
-def test_solver_is_exact_against_brute_force():
+@pytest.mark.parametrize("outside", [False, True], ids=["outside-kept", "outside-choices"])
+def test_solver_is_exact_against_brute_force(outside):
     rng = random.Random(0)
     choices = ["keep", "selective", "recompute", "offload:disk"]
     for _ in range(30):
-        profile = random_profile(rng, rng.randrange(1, 5), choices)
-        assignments = [list(a) for a in itertools.product(choices, repeat=len(profile.blocks))]
-        least = min(rounded_peak(profile, a) for a in assignments)
+        profile = random_profile(rng, rng.randrange(1, 5), choices, outside)
+        assignments = [(list(a), o) for a in itertools.product(choices, repeat=len(profile.blocks))
+                       for o in profile.outside_choices()]
+        least = min(rounded_peak(profile, a, o) for a, o in assignments)
         assert minimum_peak(profile) == least
         for budget in (least - 1, least, least + rng.randrange(0, 8000)):
-            fitting = [a for a in assignments if rounded_peak(profile, a) <= budget]
+            fitting = [(a, o) for a, o in assignments if rounded_peak(profile, a, o) <= budget]
             if not fitting:
                 with pytest.raises(BudgetTooSmall):
                     solve(profile, budget)
                 continue
             found = solve(profile, budget)
-            assert found.seconds == pytest.approx(min(profile.seconds_of(a) for a in fitting))
-            assert found.peak == rounded_peak(profile, found.choices) <= budget
-            assert found.peak >= profile.peak_of(found.choices)  # rounding errs towards more memory
+            assert found.seconds == pytest.approx(min(profile.seconds_of(a, o) for a, o in fitting))
+            assert found.peak == rounded_peak(profile, found.choices, found.outside) <= budget
+            # rounding errs towards more memory
+            assert found.peak >= profile.peak_of(found.choices, found.outside)
+
+
+def test_outside_offload_is_chosen_only_when_it_pays():
+    """The part outside the blocks is offloaded when that lets faster block choices fit, and kept
+    when the budget allows (it costs time)."""
+    blocks = [BlockProfile(f"b{i}", {"keep": 1000, "recompute": 100}, {"keep": 10, "recompute": 10},
+                           {"keep": 1.0, "recompute": 2.0}) for i in range(3)]
+    profile = Profile(blocks, ["keep", "recompute"], other_held=900, other_transient=0, other_seconds=1.0,
+                      signature="x", prefetch=2,
+                      outside={"offload:disk": {"held": 100, "transient": 50, "seconds": 1.5}})
+    roomy = solve(profile, 5000)
+    assert (roomy.choices, roomy.outside) == (["keep"] * 3, "keep")
+    tight = solve(profile, 3200)  # keeping every block fits only with the outside part offloaded
+    assert (tight.choices, tight.outside) == (["keep"] * 3, "offload:disk")
+    assert tight.seconds == pytest.approx(4.5) and tight.peak <= 3200
+    assert minimum_peak(profile) < minimum_peak(Profile(blocks, ["keep", "recompute"], 900, 0, 1.0, "x", 2))
 
 
 def test_predicted_peak_bounds_held_plus_largest_transient():
@@ -201,12 +223,45 @@ def test_every_choice_gives_bitwise_equal_gradients(ids, half):
     assert_bitwise_equal(expected, train_step(model, ids, seed=5))
 
 
+def test_outside_offload_gives_bitwise_equal_gradients_and_is_undone(ids, half):
+    """The part outside the blocks offloaded (a scope around the model's forward sharing the
+    offloaded blocks' schedule): gradients bitwise, kept blocks keep their tensors where they are,
+    and remove_checkpointing puts the model's own forward back."""
+    model, result = half
+    assert "offload:disk" in result.profile.outside
+    expected = train_step(small_gpt(), ids, seed=5)
+    kept = Plan.from_choices(result, ["keep"] * 4)
+    model.zero_grad(set_to_none=True)
+    held_kept, _ = measure_step(model, ids)
+    for choices in (["keep"] * 4, ["keep", "recompute", "offload:disk", "selective"]):
+        mixed = Plan.from_choices(result, choices, outside="offload:disk")
+        mixed.apply(model)
+        try:
+            assert "forward" in model.__dict__
+            assert_bitwise_equal(expected, train_step(model, ids, seed=5))
+            if choices == ["keep"] * 4:
+                model.zero_grad(set_to_none=True)
+                held, _ = measure_step(model, ids)
+                assert held < held_kept  # something outside the blocks went to disk
+                # the kept blocks' own tensors did not: their bytes are still all held
+                outside_before = held_kept - sum(b.held["keep"] for b in result.profile.blocks)
+                assert held >= held_kept - outside_before
+                assert mixed.held < kept.held and mixed.seconds > kept.seconds
+        finally:
+            acshim.remove_checkpointing(model)
+        assert "forward" not in model.__dict__ and acshim.checkpointed_modules(model) == []
+    assert_bitwise_equal(expected, train_step(model, ids, seed=5))
+    with pytest.raises(ValueError, match="not profiled"):
+        Plan.from_choices(result, ["keep"] * 4, outside="offload:host")
+
+
 def test_save_load_round_trip_and_other_model(tmp_path, ids, half):
     model, result = half
     path = tmp_path / "plan.json"
     result.save(path)
     loaded = acshim.Plan.load(path)
     assert loaded.choices == result.choices and loaded.peak == result.peak and str(loaded) == str(result)
+    assert loaded.outside == result.outside and loaded.profile.outside == result.profile.outside
     fresh = small_gpt()
     loaded.apply(fresh)
     assert len(acshim.checkpointed_modules(fresh)) == sum(c != "keep" for c in result.choices)
@@ -279,6 +334,48 @@ def test_block_profile_counts_a_kept_input_once(half):
     for block in result.profile.blocks:
         assert input_bytes <= block.held["recompute"] < 1.5 * input_bytes
     assert result.profile.other_held > 0
+
+
+def test_outside_part_measured_alone_predicts_the_held_bytes(ids, half):
+    """What lies outside the blocks is measured with the blocks replaying their outputs: with the
+    blocks' own profiles it predicts what a whole step holds when forward ends, kept or offloaded."""
+    model, result = half
+    for choices in (["keep"] * 4, ["recompute"] * 4):
+        for outside in ("keep", "offload:disk"):
+            predicted = Plan.from_choices(result, choices, outside)
+            predicted.apply(model)
+            try:
+                model.zero_grad(set_to_none=True)
+                held, peak = measure_step(model, ids)
+            finally:
+                acshim.remove_checkpointing(model)
+            assert held == pytest.approx(predicted.held, rel=0.02), (choices, outside)
+            assert peak <= predicted.peak * 1.01, (choices, outside)
+    assert result.profile.outside["offload:disk"]["held"] < result.profile.other_held
+
+
+def test_captured_copies_are_made_once_per_tensor():
+    """A block's output is the next block's input: profiling keeps one copy of it, not two."""
+    copies = Copies()
+    hidden = torch.randn(3, 4, requires_grad=True) * 2
+    output, following = copies((hidden, "aux")), copies(((hidden,), {"mask": None}))
+    assert output[0] is following[0][0] and output[1] == "aux"
+    assert torch.equal(output[0], hidden) and not output[0].requires_grad
+    assert copies(hidden.clone()) is not output[0]
+
+
+def test_replay_stands_in_for_a_block_in_forward_and_backward():
+    x = torch.randn(3, 4, requires_grad=True)
+    recorded = (torch.randn(3, 4), torch.arange(3), "tag")
+    out = replay(recorded, (x * 2,), {"mask": None})
+    assert out[2] == "tag" and torch.equal(out[0], recorded[0]) and out[0] is not recorded[0]
+    assert out[0].requires_grad and not out[1].requires_grad
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.full((3, 4), 2.0))  # the incoming gradient, passed on
+    other = torch.randn(5, requires_grad=True)
+    replay(torch.randn(2), (other,), {}).sum().backward()
+    assert torch.equal(other.grad, torch.zeros(5))  # no gradient of its shape: zeros
+    assert replay(torch.randn(2), (torch.randn(2),), {}).requires_grad  # as the block's parameters made it
 
 
 class _StatefulBlock(torch.nn.Module):
