@@ -304,6 +304,7 @@ def profile_model(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], tor
     state = ModelState(model, blocks)
     model.train()
     try:
+        install_outside(model, "keep")  # a plan applied before offloads the outside part: not while profiling
         return _profile(model, inputs, loss_fn, choices, prefetch, repeats, blocks)
     finally:
         state.restore()

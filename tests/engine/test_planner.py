@@ -12,7 +12,7 @@ import torch
 import acshim
 from acshim.planner import BudgetTooSmall, Plan, measure_step, parse_budget, plan
 from acshim.planner.budget import budget_at_least
-from acshim.planner.choices import expand_choices
+from acshim.planner.choices import OffloadedForward, expand_choices
 from acshim.planner.profile import BlockProfile, Profile
 from acshim.planner.replay import Copies, replay
 from acshim.planner.solver import minimum_peak, rounded_peak, solve
@@ -253,6 +253,25 @@ def test_outside_offload_gives_bitwise_equal_gradients_and_is_undone(ids, half):
     assert_bitwise_equal(expected, train_step(model, ids, seed=5))
     with pytest.raises(ValueError, match="not profiled"):
         Plan.from_choices(result, ["keep"] * 4, outside="offload:host")
+
+
+def test_planning_a_model_with_an_outside_offload_plan_applied(ids, half):
+    """Planning again a model that has a plan with the outside part offloaded applied measures the
+    model as it is without the plan, and leaves the applied plan in place."""
+    model, result = half
+    result = plan(model, ids, budget=0.5, repeats=1, choices=("keep", "recompute", "offload"))  # as it is
+    applied = Plan.from_choices(result, ["recompute"] * 4, outside="offload:disk")
+    applied.apply(model)
+    try:
+        again = plan(model, ids, budget=0.5, repeats=1, choices=("keep", "recompute", "offload"))
+        for measured in ("held", "peak"):
+            assert again.profile.recompute_step[measured] == pytest.approx(
+                result.profile.recompute_step[measured], rel=0.02)
+        assert again.profile.other_held == pytest.approx(result.profile.other_held, rel=0.02)
+        assert isinstance(model.__dict__["forward"], OffloadedForward)
+        assert len(acshim.checkpointed_modules(model)) == 5
+    finally:
+        acshim.remove_checkpointing(model)
 
 
 def test_save_load_round_trip_and_other_model(tmp_path, ids, half):
