@@ -194,32 +194,36 @@ def test_larger_inputs_than_planned_warn_once(session_cleanup, capsys) -> None:
     assert err.count("acshim: --budget: this step's inputs hold 128 elements, the step planned on held 64") == 1
 
 
-def test_outside_part_offloaded_by_the_plan_gradients_bitwise_and_undone(session_cleanup) -> None:
-    """A budget near the least achievable peak needs the part outside the regions (embeddings,
-    head) offloaded too: a scope around the model's forward from the next step on; kept regions
-    stay out of it. Gradients stay bitwise, the peak within budget, and stop() puts the model's own
-    forward back."""
+def test_outside_part_offloaded_by_the_plan_gradients_bitwise_and_undone(session_cleanup, monkeypatch) -> None:
+    """A plan that offloads the part outside the regions (embeddings, head) installs a scope around
+    the model's forward from the next step on, with kept and recomputed regions shielded from it and
+    offloaded ones sharing its schedule. Gradients stay bitwise, and stop() puts the model's own
+    forward back. (Which budgets choose it is the solver's business, tested on its own: here the
+    plan is fixed, so machine load cannot change it.)"""
+    from acshim.planner import session as session_module
+    from acshim.planner.plan import Plan
+
+    chosen = ["keep", "recompute", "offload:disk", "selective"]
+    solve_within = session_module.solve_within
+
+    def fixed(profile, budget, measure, **kwargs):
+        forced = Plan.from_choices(solve_within(profile, 1.0, None), chosen, outside="offload:disk")
+        forced.measured_held, forced.measured_peak = measure(forced)  # the candidate step runs as in planning
+        return forced
+
+    monkeypatch.setattr(session_module, "solve_within", fixed)
     expected = train_step(_model(), _ids(), seed=5)
-    probe = _model()
-    acshim.apply_checkpointing(probe)
-    minimum = None
-    session = PlanSession(1, repeats=1).start()
-    try:
-        with pytest.raises(PlanExit) as caught:
-            train_step(probe, _ids())
-    finally:
-        session.stop()
-    minimum = int(caught.value.message.split("achievable peak")[1].split("(")[1].split(" bytes")[0])
     model = _model()
     acshim.apply_checkpointing(model)
-    session = PlanSession(int(minimum * 1.1), repeats=1).start()
+    session = PlanSession(0.9, repeats=1).start()
     session_cleanup.append(session)
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
-    assert session.plan is not None and session.plan.outside == "offload:disk", str(session.plan)
+    assert session.plan is not None and (session.plan.choices, session.plan.outside) == (chosen, "offload:disk")
     assert "forward" in model.__dict__ and "outside the regions: offload:disk" in session.summary()
+    assert "offload:disk" in session.plan.profile.outside
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
-    _, peak = measure_step(model, _ids())
-    assert peak <= session.plan.budget
+    scope = session._shared["disk"]
+    assert model.forward.scope is scope and scope.session.stats.moved > 0
     session.stop()
     assert "forward" not in model.__dict__
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
