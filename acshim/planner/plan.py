@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -222,7 +222,35 @@ def solve_within(profile: Profile, budget: int | float | str,
                  measure: Callable[[Plan], tuple[int, int]] | None, *, retries: int = 4) -> Plan:
     """The fastest plan of ``profile`` under ``budget``; with ``measure`` (a candidate plan ->
     measured ``(held, peak)``) a plan measured over budget is re-solved under a tighter one, and
-    never returned over budget. ``BudgetTooSmall`` names the least achievable peak."""
+    never returned over budget. ``BudgetTooSmall`` names the least achievable peak. When the
+    re-solves run out and offload was among the choices, the choices that offload nothing are
+    solved once more: copies still in flight to a slow tier (a loaded machine) can keep an
+    offloading plan over budget however it is tightened, while recompute's memory does not vary."""
+    try:
+        return _solve_within(profile, budget, measure, retries)
+    except BudgetTooSmall:
+        raise
+    except ValueError as error:
+        offloads = [c for c in profile.choices if "offload" in c]
+        if measure is None or not (offloads or profile.outside):
+            raise
+        kept = [c for c in profile.choices if c not in offloads]
+        restricted = replace(profile, choices=kept, outside={},
+                             blocks=[replace(b, held={c: b.held[c] for c in kept},
+                                             transient={c: b.transient[c] for c in kept},
+                                             seconds={c: b.seconds[c] for c in kept}, window={})
+                                     for b in profile.blocks])
+        try:
+            result = _solve_within(restricted, budget, measure, retries)
+        except ValueError:
+            raise error from None
+        result.notes.append(f"offloading plans stayed over budget when measured ({error}); solved again without "
+                            "offload (copies in flight to a slow tier add to the peak on a loaded machine)")
+        return result
+
+
+def _solve_within(profile: Profile, budget: int | float | str,
+                  measure: Callable[[Plan], tuple[int, int]] | None, retries: int) -> Plan:
     reference_peak, reference_seconds = _reference(profile)
     budget_bytes = parse_budget(budget, reference_peak or profile.recompute_step["peak"])
     notes = []

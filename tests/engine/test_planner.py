@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import random
@@ -313,6 +314,35 @@ def test_plan_measured_over_budget_is_re_solved(ids, monkeypatch):
     assert result.measured_peak <= result.budget
     assert result.peak <= result.budget - 50_000  # re-solved under a budget tightened by the error
     assert any("re-solved" in note for note in result.notes)
+
+
+def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monkeypatch):
+    """Copies in flight to a slow tier (a loaded machine) can keep every offloading candidate over
+    budget however it is tightened: the choices that offload nothing are solved once more."""
+    model = small_gpt()
+    real = plan_module._verify
+    measured = []
+
+    def slow_tier(model, batch, loss_fn, result, blocks):
+        held, peak = real(model, batch, loss_fn, result, blocks)
+        offloads = result.outside != "keep" or any("offload" in c for c in result.choices)
+        measured.append(offloads)
+        return (held, result.budget + 10_000) if offloads else (held, peak)
+
+    base = plan(model, ids, budget=1.0, repeats=1, verify=False)
+    for block in base.profile.blocks:  # offloading is the fastest choice wherever it fits
+        block.seconds.update({c: 0.0 for c in block.seconds if "offload" in c})
+    without = [c for c in base.profile.choices if "offload" not in c]
+    budget = int(1.05 * minimum_peak(dataclasses.replace(base.profile, choices=without, outside={})))
+    monkeypatch.setattr(plan_module, "_verify", slow_tier)
+    result = plan(model, ids, budget=budget, reuse=base)
+    assert measured[0] and not measured[-1]  # offload was planned first, and measured over
+    assert result.measured_peak <= result.budget and result.outside == "keep"
+    assert not any("offload" in c for c in result.choices + result.profile.choices)
+    assert any("solved again without offload" in note for note in result.notes)
+    monkeypatch.setattr(plan_module, "_verify", lambda *args: (0, 10**12))  # nothing ever fits
+    with pytest.raises(ValueError, match="no plan measured within the budget"):
+        plan(model, ids, budget=budget, reuse=base)
 
 
 def test_expand_choices():
