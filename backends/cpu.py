@@ -23,6 +23,13 @@ def write_keeping_data(tier: Tier, data: torch.Tensor) -> Any:
         raise TransferFailed(error, data) from error
 
 
+def write_from(tier: Tier, holder: list[torch.Tensor]) -> Any:
+    """``write_keeping_data`` of the tensor taken out of ``holder``: a ``ThreadPoolExecutor`` work
+    item keeps its arguments until after its future is done, so the bytes passed directly stayed
+    alive a moment after ``wait`` returned (forward's held bytes then depended on thread timing)."""
+    return write_keeping_data(tier, holder.pop())
+
+
 def read_after_write(tier: Tier, written: Future[Any], pin_memory: bool = False) -> torch.Tensor:
     """Wait for the write that produced the slot (on this worker), then read the slot back."""
     return tier.read(written.result(), pin_memory)
@@ -45,7 +52,7 @@ class CpuBackend(Backend):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="acshim-offload")
 
     def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
-        future = self._pool.submit(write_keeping_data, tier, data)
+        future = self._pool.submit(write_from, tier, [data])
         return Ticket(nbytes=data.numel(), device=data.device, pending=future)
 
     def copy_in(self, stored: Ticket, tier: Tier) -> Ticket:

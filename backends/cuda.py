@@ -19,12 +19,12 @@ from concurrent.futures import Future
 import torch
 
 from .base import Backend, Ticket, Tier
-from .cpu import CpuBackend, free_when_written, write_keeping_data
+from .cpu import CpuBackend, free_when_written, write_from
 
 
-def _write_after(event: torch.cuda.Event, tier: Tier, host: torch.Tensor) -> object:
+def _write_after(event: torch.cuda.Event, tier: Tier, holder: list[torch.Tensor]) -> object:
     event.synchronize()
-    return write_keeping_data(tier, host)
+    return write_from(tier, holder)
 
 
 def _read_then_upload(tier: Tier, written: Future[object], device: torch.device,
@@ -58,7 +58,7 @@ class CudaBackend(Backend):
         if tier.kind == "host":
             ticket.slot, ticket.pending = tier.write(host), event
         else:
-            ticket.pending = self._disk_io._pool.submit(_write_after, event, tier, host)
+            ticket.pending = self._disk_io._pool.submit(_write_after, event, tier, [host])
         return ticket
 
     def copy_in(self, stored: Ticket, tier: Tier) -> Ticket:

@@ -63,7 +63,7 @@ class Copies:
     profiling holds."""
 
     def __init__(self) -> None:
-        self._made: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._made: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
     def __call__(self, value: Any) -> Any:
         leaves, rebuild = structures.flatten(value)
@@ -72,10 +72,10 @@ class Copies:
 
     def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
         made = self._made.get(id(tensor))
-        if made is not None and made[0]() is tensor:
-            return made[1]
+        if made is not None and made[0]() is tensor and made[1] == tensor._version:  # not changed in place since
+            return made[2]
         copy = tensor.detach().clone()
-        self._made[id(tensor)] = (weakref.ref(tensor), copy)
+        self._made[id(tensor)] = (weakref.ref(tensor), tensor._version, copy)
         return copy
 
 

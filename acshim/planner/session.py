@@ -210,6 +210,13 @@ class PlanSession:
             site.recorded = self._copies(output)
         return self._mark_head(output)
 
+    def _drop_copies(self) -> None:
+        """Free the regions' captured inputs and recorded outputs once planning is over (they were
+        held for the rest of the run: a full-recompute step's worth of memory)."""
+        for site in self.sites:
+            site.captured = site.recorded = None
+        self._copies = Copies()
+
     def _mark_head(self, output: Any) -> Any:
         """While a step is tracked, mark when the gradient reaches this region's output: what runs
         before that in backward (the head, the loss) belongs to the part outside the regions."""
@@ -247,15 +254,18 @@ class PlanSession:
             with _counters_paused(), parameters_aliased(root):  # profiling never reaches the real parameters
                 self.plan = self._solve(root, root_args, root_kwargs)
         except (BudgetTooSmall, ValueError) as error:
+            self._drop_copies()
             snapshot.restore()
             self.stop()
             hint = (f"; pass --budget {budget_at_least(error.minimum)} or more"
                     if isinstance(error, BudgetTooSmall) else "")
             raise PlanExit(2, f"acshim run: --budget {self.budget}: {error}{hint}") from None
         except BaseException:
+            self._drop_copies()
             snapshot.restore()
             self.stop()
             raise
+        self._drop_copies()
         snapshot.restore()
         self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
         if self.plan.outside != "keep":

@@ -47,6 +47,9 @@ def test_plan_replaces_the_scripts_recompute_gradients_bitwise_and_peak_within_b
     assert peak <= session.plan.budget, (peak, session.plan.budget, session.plan.choices)
     assert session.plan.measured_peak <= session.plan.budget
     assert "replaced 4 region(s) (4 acshim: recompute) by the plan" in session.summary()
+    # the regions' inputs and outputs copied for profiling are not held for the rest of the run
+    assert all(site.captured is None and site.recorded is None for site in session.sites)
+    assert session._copies._made == {}
 
 
 def test_budget_below_the_minimum_names_it_and_leaves_the_model_as_it_was(session_cleanup) -> None:

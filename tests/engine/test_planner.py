@@ -413,6 +413,10 @@ def test_captured_copies_are_made_once_per_tensor():
     assert output[0] is following[0][0] and output[1] == "aux"
     assert torch.equal(output[0], hidden) and not output[0].requires_grad
     assert copies(hidden.clone()) is not output[0]
+    with torch.no_grad():
+        hidden.mul_(3)  # changed in place between two blocks: copied again, as it is now
+    changed = copies(hidden)
+    assert changed is not output[0] and torch.equal(changed, hidden)
 
 
 def test_replay_stands_in_for_a_block_in_forward_and_backward():

@@ -24,6 +24,22 @@ def test_cpu_backend_round_trips_through_disk_and_release_frees_the_space(disk_d
     backend.close()
 
 
+def test_cpu_backend_holds_no_reference_to_the_bytes_once_their_write_is_waited_for(disk_dir):
+    """What forward holds after its copies out are waited for must not depend on thread timing."""
+    import weakref
+
+    backend, tier = CpuBackend(), DiskTier(file_io(), disk_dir)
+    for _ in range(50):
+        data = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
+        alive = weakref.ref(data)
+        stored = backend.copy_out(data, tier)
+        del data
+        backend.wait(stored)
+        assert alive() is None
+        backend.release(stored, tier)
+    backend.close()
+
+
 def test_simulated_backend_lands_copies_at_per_byte_deadlines():
     backend, tier = SimulatedBackend(seconds_per_byte=1e-6), HostTier()
     data = torch.zeros(5_000, dtype=torch.uint8)  # 5 ms on the simulated link
