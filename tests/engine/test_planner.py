@@ -489,3 +489,15 @@ def test_planning_leaves_buffers_and_module_state_as_it_found_them(planner):
         recomputed = [c != "keep" for c in session.plan.choices]
         assert [b.calls for b in model.blocks] == [1 + r for r in recomputed]
     assert [block.aux for block in model.blocks] == aux_lists  # the same list objects
+
+
+def test_plan_with_outside_offload_compiles_with_bitwise_gradients(ids, half):
+    """A plan offloading the outside part, with kept, recomputed, offloaded and selective blocks,
+    under torch.compile: gradients bitwise those of eager no checkpointing."""
+    _, result = half
+    expected = train_step(small_gpt(), ids, seed=5)
+    model = small_gpt()
+    Plan.from_choices(result, ["keep", "recompute", "offload:disk", "selective"], outside="offload:disk").apply(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    got = train_step(compiled, ids, seed=5)
+    assert_bitwise_equal(expected, {name.replace("_orig_mod.", ""): value for name, value in got.items()})
