@@ -12,7 +12,8 @@ Offload policies: a policy may return ``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``
 quietly recomputes those ops. In acshim regions (``honour_offload``, applied by every non-reentrant
 region) the op's output is kept, as ``MUST_SAVE`` would, but its bytes go to acshim's storage tier
 (``storage.set_defaults``, or ``offload_policies(context_fn, storage="disk")``) and come back, bit for
-bit and prefetched, when the recompute reaches the op.
+bit and prefetched, when the recompute reaches the op. An output the forward changed in place after
+the op (``h = lin(t); h.mul_(2)``) is recomputed instead, as torch does in eager mode.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
@@ -108,17 +109,49 @@ class _OffloadedEntry:
     """Stands in for torch's cached ``_VersionWrapper`` of one saved op output: its bytes live in
     the storage tier (a session handle) and ``get_val`` brings them back, bitwise."""
 
-    __slots__ = ("session", "packed", "version", "source")
+    __slots__ = ("session", "packed")
 
-    def __init__(self, session: Any, tensor: torch.Tensor, version: int | None) -> None:
-        self.session, self.version = session, version
+    def __init__(self, session: Any, tensor: torch.Tensor) -> None:
+        self.session = session
         self.packed = session.pack(tensor)
 
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
-        value = self.session.unpack(self.packed)
-        if self.version is not None and not allow_cache_entry_mutation and value._version != self.version:
-            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
-        return value
+        return self.session.unpack(self.packed)  # torch's in-place error if changed (see _RecomputeChanged)
+
+    def modified(self) -> bool:
+        """True if the op's output was changed in place after it was cached (forward went on
+        writing into it): the bytes in the tier may not be the op's output any more."""
+        packed = self.packed
+        if type(packed) is tuple:  # kept in place (host tier on CPU)
+            tensor, version = packed
+            return tensor._version != version
+        return packed.modified()
+
+
+class _RecomputeChanged:
+    """The recompute context of a region with offload decisions: before the recompute replays the
+    cache, every offloaded op output that the forward changed in place afterwards (``h = lin(t);
+    h.mul_(2)``) is marked for recomputation. Torch in eager mode recomputes offload-policy ops, so
+    this is torch's result, bitwise; replaying the changed bytes would apply the change twice.
+    Reusable: torch enters the recompute context again for a second backward."""
+
+    def __init__(self, mode: Any, storage: dict[Any, Any]) -> None:
+        self.mode, self.storage = mode, storage
+
+    def __enter__(self) -> Any:
+        if _RECOMPUTE is not None:
+            for entries in self.storage.values():
+                for index, entry in list(entries.items()):
+                    if any(isinstance(leaf, _OffloadedEntry) and leaf.modified() for leaf in tree_leaves(entry)):
+                        dict.__setitem__(entries, index, _RECOMPUTE)
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        return self.mode.__exit__(*exc_info)
+
+
+_RECOMPUTE = getattr(torch_checkpoint, "_RECOMPUTE", None)
+"""torch's "recompute this op" cache entry; without it a changed entry raises torch's in-place error."""
 
 
 class _Marker(threading.local):
@@ -142,7 +175,7 @@ class _OffloadingEntries(dict):
     def _offload(self, leaf: Any) -> Any:
         val = getattr(leaf, "val", None)
         if isinstance(val, torch.Tensor) and hasattr(leaf, "get_val"):
-            return _OffloadedEntry(self.session, val, getattr(leaf, "version", None))
+            return _OffloadedEntry(self.session, val)
         return leaf
 
 
@@ -190,7 +223,7 @@ def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn
 
         forward.policy_fn = offloading_policy
         forward.storage.default_factory = functools.partial(_OffloadingEntries, marker, session)
-        return forward, recompute
+        return forward, _RecomputeChanged(recompute, forward.storage)
 
     with_offload._acshim_offload = True  # type: ignore[attr-defined]
     return with_offload

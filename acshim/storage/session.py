@@ -25,7 +25,7 @@ from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes
 from .reaper import REAPER
 from .scheduler import PrefetchScheduler
-from .versions import modified_error
+from .versions import modified_error, version_probe
 
 _opt_out = threading.local()
 
@@ -73,22 +73,39 @@ class OffloadStats:
 class StoredTensor:
     """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
 
-    __slots__ = ("layout", "backend", "version", "source", "group", "data", "out", "incoming", "uses",
-                 "pending_uses", "__weakref__")
+    __slots__ = ("layout", "backend", "version", "probe", "grad_fn_name", "source", "group", "data", "out",
+                 "incoming", "uses", "pending_uses", "__weakref__")
 
-    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, version: int,
-                 source: weakref.ref[torch.Tensor]) -> None:
+    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, tensor: torch.Tensor) -> None:
         self.layout = layout
         self.backend = backend
-        self.version = version
-        self.source = source
-        """The saved tensor itself, weakly: unpack compares its version with ``version``."""
+        self.version = tensor._version
+        self.probe = version_probe(tensor)
+        """Shares the saved tensor's version counter, holds none of its memory: unpack compares
+        ``version`` with it, also after the tensor itself is gone (see ``versions.version_probe``)."""
+        self.grad_fn_name = _grad_fn_name_after_change(tensor)
+        self.source = weakref.ref(tensor)
+        """The saved tensor itself, weakly: the ``_already_saved`` lookup, and torch's error text."""
         self.group = -1
         self.data: torch.Tensor | None = data
         """The bytes while resident (not sent out yet), or kept after a failed write."""
         self.out: Ticket | None = None
         self.incoming: Ticket | None = None
         self.uses = self.pending_uses = 1
+
+    def modified(self) -> bool:
+        """True if the saved tensor (or a view or base of it) was changed in place since it was saved."""
+        if self.probe is not None:
+            return self.probe._version != self.version
+        source = self.source()
+        return source is not None and source._version != self.version
+
+    def modified_error(self) -> RuntimeError:
+        """Torch's "modified by an inplace operation" error for this tensor."""
+        source = self.source()
+        if source is not None:
+            return modified_error(source, self.version)
+        return modified_error(self.probe, self.version, self.layout.shape, self.grad_fn_name)
 
 
 class OffloadSession:
@@ -141,9 +158,8 @@ class OffloadSession:
                 self.scheduler.regroup(handle, sent_out=handle.out is not None)
                 return handle
             data, layout = to_bytes(tensor)
-            source = weakref.ref(tensor)
-            handle = StoredTensor(layout, backend, data, tensor._version, source)
-            self._remember(tensor, source, handle)
+            handle = StoredTensor(layout, backend, data, tensor)
+            self._remember(tensor, handle.source, handle)
             self.stats.moved += 1
             self.stats.moved_bytes += layout.nbytes
             if self.per_tensor_groups:
@@ -227,9 +243,8 @@ class OffloadSession:
                 raise modified_error(tensor, version)
             return tensor
         handle = packed
-        source = handle.source()
-        if source is not None and source._version != handle.version:  # dead: nothing can change it
-            raise modified_error(source, handle.version)
+        if handle.modified():  # bytes a background copy read may postdate the change: never use them
+            raise handle.modified_error()
         with self._lock:
             for due in self.scheduler.due_for_fetch(handle.group):
                 self._fetch(due)
@@ -269,6 +284,16 @@ class OffloadSession:
         self.stats.late += not ready
         self.stats.wait_seconds += waited
         return data
+
+
+def _grad_fn_name_after_change(tensor: torch.Tensor) -> str | None:
+    """The node torch's error would name for ``tensor`` once changed in place: its own, except for
+    a differentiable view, whose node torch regenerates as an ``as_strided`` of its changed base."""
+    if tensor.grad_fn is None:
+        return None
+    if tensor._base is not None:
+        return "AsStridedBackward0"
+    return tensor.grad_fn.name()
 
 
 def _drop_traceback(failure: TransferFailed) -> None:

@@ -74,16 +74,52 @@ def _wording(anomaly: bool) -> tuple[str, str, bool]:
     return wording
 
 
-def modified_error(tensor: torch.Tensor, expected: int) -> RuntimeError:
-    """Torch's error for a saved ``tensor`` found at another version than ``expected``."""
+def modified_error(tensor: torch.Tensor, expected: int, shape: tuple[int, ...] | None = None,
+                   grad_fn_name: str | None = None) -> RuntimeError:
+    """Torch's error for a saved ``tensor`` found at another version than ``expected``. ``tensor``
+    may be a ``version_probe`` of a tensor that is gone: ``shape`` and ``grad_fn_name`` (as saved)
+    then stand for what torch would print of the tensor it kept."""
     head, hint, short = _wording(torch.is_anomaly_enabled())
-    sizes = ", ".join(str(size) for size in tensor.shape)
+    sizes = ", ".join(str(size) for size in (tensor.shape if shape is None else shape))
     where = ""
-    if tensor.grad_fn is not None:
-        name = tensor.grad_fn.name()
-        where = f", which is output 0 of {forward_op_name(name) if short else name},"
+    if grad_fn_name is None and tensor.grad_fn is not None:
+        grad_fn_name = tensor.grad_fn.name()
+    if grad_fn_name is not None:
+        where = f", which is output 0 of {forward_op_name(grad_fn_name) if short else grad_fn_name},"
     return RuntimeError(f"{head}[{tensor.type()} [{sizes}]]{where} is at version {tensor._version}; "
                         f"expected version {expected} instead.{hint}")
+
+
+_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def version_probe(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A tensor that shares ``tensor``'s version counter but none of its memory (an empty storage).
+
+    A moved tensor's bytes leave, and the user may drop the tensor itself after changing it in place
+    (``h.mul_(2); del h``): a weak reference then cannot tell that the bytes a background copy wrote
+    are not those autograd saved. The probe outlives the tensor, costs no memory, and sees every
+    in-place change of the tensor, its views and its base, so unpack can give torch's error. None
+    for inference tensors (no version counter) and torches that cannot make one."""
+    if _set_version is None or tensor.is_inference():
+        return None
+    version = tensor._version
+    # Inside a torch dispatch mode (selective checkpointing caches op outputs from one) detach runs
+    # below ADInplaceOrView and would not share the counter; switch that key back on, as torch's
+    # own _detach_helper does.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        probe = tensor.detach()  # shares the version counter (and, until set_, the storage)
+        try:
+            probe.set_()  # an empty storage of the same dtype and device
+        except RuntimeError:  # a torch that forbids set_ on a detached tensor
+            return None
+    _set_version((probe,), (version + 1,))
+    shared = tensor._version == version + 1
+    _set_version((probe,), (version,))  # the counter is the tensor's own: leave it as it was
+    if not shared:
+        _set_version((tensor,), (version,))
+        return None
+    return probe
 
 
 def keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -85,7 +85,46 @@ def _double_changed(scope):
     return x.grad
 
 
-CASES = [_input_changed, _output_changed, _parameter_changed, _changed_with_grad, _double_changed]
+def _input_changed_then_freed(scope):
+    """The user drops the tensor it changed (issue 16, item 1): only the version counter, which
+    outlives the tensor, can tell that the bytes a background copy wrote may postdate the change."""
+    x = torch.randn(32, 32, requires_grad=True)
+    with scope:
+        h = x * 1
+        y = h.sin()
+    with torch.no_grad():
+        h.mul_(2)
+    del h
+    y.sum().backward()
+    return x.grad
+
+
+def _output_changed_then_freed(scope):
+    x = torch.randn(4, 32, requires_grad=True)
+    with scope:
+        y = x.exp()
+        z = y.sum()
+    with torch.no_grad():
+        y.mul_(2)
+    del y
+    z.backward()
+    return x.grad
+
+
+def _base_changed_view_saved_then_freed(scope):
+    x = torch.randn(32, 32, requires_grad=True)
+    with scope:
+        h = x * 1
+        y = h[8:24].sin()  # saves a view of h
+    with torch.no_grad():
+        h.add_(1)  # the base changes: so does every view of it
+    del h
+    y.sum().backward()
+    return x.grad
+
+
+CASES = [_input_changed, _output_changed, _parameter_changed, _changed_with_grad, _double_changed,
+         _input_changed_then_freed, _output_changed_then_freed, _base_changed_view_saved_then_freed]
 
 
 @pytest.mark.parametrize("storage,prefetch", TIERS)
@@ -142,9 +181,10 @@ def test_change_after_the_prefetch_copied_the_tensor_back(prefetch, disk_dir):
     assert seen_fetched == [True]  # h's copy in had been issued before the edit
 
 
+@pytest.mark.parametrize("freed", [False, True], ids=["kept", "freed"])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("storage,prefetch", [("host", 2), ("disk", 0), ("disk", 2)])
-def test_region_boundary_inputs_changed_in_place(reentrant, storage, prefetch, disk_dir):
+def test_region_boundary_inputs_changed_in_place(reentrant, storage, prefetch, freed, disk_dir):
     block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
 
     def run(scope):
@@ -154,6 +194,8 @@ def test_region_boundary_inputs_changed_in_place(reentrant, storage, prefetch, d
         y = acshim.run_region(block, (h,), {}, options)
         with torch.no_grad():
             h.add_(1)
+        if freed:
+            del h
         y.sum().backward()
         return x.grad
 
