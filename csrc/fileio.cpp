@@ -10,6 +10,9 @@
 // Jobs return errno (0 on success); the Python side raises OSError from it.
 // Only pybind11 is included (not torch/extension.h): the engine sees raw addresses, the Python side
 // keeps the tensors alive, and the build stays quick.
+// Each worker's bounce buffer is its own anonymous mapping whose pages are given back (MADV_DONTNEED)
+// whenever the queue runs empty: a process's memory then holds them only while copies are in flight
+// (a memory budget counts them), not for the rest of the run after the first offload.
 
 #include <pybind11/pybind11.h>
 
@@ -24,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <sys/mman.h>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -132,21 +136,27 @@ class Engine {
 
  private:
   void run() {
-    char* bounce = nullptr;
-    if (posix_memalign(reinterpret_cast<void**>(&bounce), kAlignment, kBounceBytes) != 0) bounce = nullptr;
+    void* mapped = ::mmap(nullptr, kBounceBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char* bounce = mapped == MAP_FAILED ? nullptr : static_cast<char*>(mapped);
+    bool touched = false;
     for (;;) {
       Request request;
       {
         std::unique_lock<std::mutex> lock(mutex_);
+        if (queue_.empty() && touched) {  // idle: give the bounce pages back
+          ::madvise(bounce, kBounceBytes, MADV_DONTNEED);
+          touched = false;
+        }
         wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) break;
         request = std::move(queue_.front());
         queue_.pop_front();
       }
+      touched = touched || request.direct;
       int error = bounce == nullptr ? ENOMEM : (request.write ? do_write(request, bounce) : do_read(request, bounce));
       request.job->finish(error);
     }
-    std::free(bounce);
+    if (bounce != nullptr) ::munmap(bounce, kBounceBytes);
   }
 
   static int do_write(const Request& r, char* bounce) {

@@ -1,0 +1,170 @@
+"""The memory a budget is about: what the process holds, as the operating system or the device sees it.
+
+A tracker of tensor storages (``tracker.LiveBytes``) predicts activation memory; what a user has is
+the process's memory: on CPU its anonymous resident memory (``/proc/self/statm``: resident less
+file-backed pages), on a CUDA device the bytes its caching allocator has reserved
+(``torch.cuda.memory_reserved``; fragmentation counts, as it does for an out-of-memory error).
+Storage tier buffers, copies in flight, worker threads' stacks and heaps, Python objects and
+allocator slack are all in it, and none of them is a tensor storage. Library code paged in on the
+first use of an operator is left out: it is file-backed (the system drops it under pressure and
+reads it back), it is the same with or without a plan, and a step measured the usual way
+(``VmHWM`` after a warm-up step, docs/measuring.md) has it in its baseline already.
+
+``ProcessMemory`` reads that number cheaply (one ``pread`` of ``statm``); ``Guard`` samples it after
+every operator of the thread it is entered on and raises ``OverBudget`` as soon as the process is
+above its limit, so planning never runs past a budget it is planning for. Sampling after operators
+sees what other threads allocated in between (a disk tier's read buffers) at the next operator;
+an operator's own scratch memory, freed before it returns, is the one thing it cannot see.
+Written by hand: neither the CPU allocator nor the profiler reports process memory (docs/measuring.md),
+and ``VmHWM`` can only be reset for the whole process (``/proc/self/clear_refs``), which would wipe
+the user's own high-water mark.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+RESOLUTION = 1 << 20
+"""What the process's memory cannot resolve: Python's object heap grows by 1 MiB arenas and the C
+heap by pages, as interpreter bookkeeping comes and goes. A budget is kept to within 2% of itself
+or this, whichever is larger (``allowance``)."""
+
+
+def allowance(budget: int) -> int:
+    """Bytes the process may hold above ``budget`` and still be within it: none from 50 MiB on
+    (2% of the budget covers the resolution), up to ``RESOLUTION`` for tiny budgets."""
+    return max(0, RESOLUTION - budget // 50)
+
+
+MEMORY_KINDS = ("process", "tensors")
+"""What a budget is measured against: ``process`` (the process's memory, as above: the default) or
+``tensors`` (activation tensor storages as ``tracker.LiveBytes`` counts them; no guard)."""
+
+
+def check_memory_kind(memory: object) -> None:
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory must be one of {MEMORY_KINDS} (what the budget is measured against), got {memory!r}")
+
+
+class OverBudget(RuntimeError):
+    """The process went above a guard's limit while planning measured something."""
+
+    def __init__(self, used: int, limit: int, what: str) -> None:
+        super().__init__(f"{what}: the process held {used} bytes above the step's start, over the limit {limit}")
+        self.used, self.limit, self.what = used, limit, what
+
+
+class ProcessMemory:
+    """Bytes the process holds on ``device``: anonymous resident memory on CPU (Linux
+    ``/proc/self/statm``: resident less shared, i.e. file-backed, pages), reserved by the caching
+    allocator on CUDA. ``available`` is False where neither can be read
+    (then ``current()`` is 0 and guards never trip: the tracker's prediction is all there is)."""
+
+    def __init__(self, device: torch.device | str = "cpu", enabled: bool = True) -> None:
+        self.device = torch.device(device)
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        if not enabled:
+            self.available = False
+        elif self.device.type == "cuda":
+            self.available = True
+        else:
+            try:
+                self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+                self.available = True
+            except OSError:
+                self.available = False
+
+    def current(self) -> int:
+        if not self.available:
+            return 0
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_reserved(self.device))
+        if self._fd is None:
+            return 0
+        with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
+            fields = os.pread(self._fd, 128, 0).split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_TRIM: Any = None
+
+
+def trim() -> None:
+    """Give the heap's free memory back to the operating system (glibc ``malloc_trim(0)``; a no-op
+    elsewhere), so a baseline read next is not inflated by memory already freed. On a CUDA device
+    nothing is released: ``memory_reserved`` is the baseline as the allocator holds it."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+class Guard(TorchDispatchMode):
+    """Samples the process's memory after every operator on this thread (and on ``sample()``): the
+    ``peak`` above ``baseline`` is recorded, and once it exceeds ``limit`` the operator's caller gets
+    ``OverBudget`` (raised from the operator, so forward and backward unwind at once). ``what``
+    names the measurement for the error. ``limit=None`` only records. Nested ``watch`` calls
+    measure sub-intervals (their own peak) under one outer limit."""
+
+    def __init__(self, memory: ProcessMemory, baseline: int, limit: int | None = None) -> None:
+        super().__init__()
+        self.memory, self.baseline, self.limit = memory, baseline, limit
+        self.peak = 0
+        self.what = "planning"
+        self.window_peak = 0
+        self.samples = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as tracker.LiveBytes: no Dynamo import, no wrapper per operator
+
+    def used(self) -> int:
+        return self.memory.current() - self.baseline
+
+    def sample(self) -> int:
+        start = time.perf_counter()
+        used = self.used()
+        self.samples += 1
+        self.peak = max(self.peak, used)
+        self.window_peak = max(self.window_peak, used)
+        self.seconds += time.perf_counter() - start
+        if self.limit is not None and used > self.limit:
+            raise OverBudget(used, self.limit, self.what)
+        return used
+
+    def open_window(self, what: str) -> None:
+        """Start a measurement named ``what``: ``window_peak`` restarts from the memory held now."""
+        self.what = what
+        self.window_peak = self.used()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.sample()
+        return out

@@ -1,0 +1,356 @@
+"""Profile a model's checkpointed regions per choice within the budget, and verify a candidate plan.
+
+``RegionProfiler`` works through a ``PlanSession`` (which routes the model's region calls, by their
+position in the step, to whatever the current measurement needs) and never runs the model without
+checkpointing:
+
+1. **Count** (forward only): every saved tensor is counted by storage under the region (or the part
+   outside the regions) that saved it, and not kept (``counting.SavedBytes``): no plan is needed to
+   learn what no checkpointing would hold, and a fractional budget gets its bytes from it. Each
+   region's input is copied once per distinct region (class, parameter and input shapes: identical
+   blocks share their measurements); its output is reduced to shapes (``replay.spec_of``).
+2. **Outside**: the part outside the regions runs forward and backward with every region replaying an
+   output of the recorded shapes (``replay.replay_spec``): its held bytes, transient and time, kept
+   and per offload tier offloaded.
+3. **Regions**: each distinct region runs alone once per choice, on a copy of its input, least memory
+   first (offload, recompute+offload, recompute, selective-alt, selective, keep): held bytes,
+   transient and an operator-by-operator timing (``costs``).
+4. **Verify** (``verify``): one step of the model under a candidate plan, tracked and measured as the
+   process sees it.
+
+Everything runs under one ``process.Guard``: the process's memory above the step's start is sampled
+after every operator, and a measurement that goes over the budget is stopped there. Its choice is
+``INFEASIBLE`` (the measurement is part of any plan using the choice, so none fits), and the
+choices that need more memory than it for the same region are not tried. So planning holds, at
+any moment, what the step held when it was interrupted plus one measurement, never more than the
+budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import structures
+from ..measure import default_loss
+from ..region_state import region_inputs
+from .choices import SharedOffload, install_outside, is_offload
+from .costs import OpTimes, RunTime, Stopwatch
+from .counting import OUTSIDE, SavedBytes
+from .process import Guard, OverBudget, ProcessMemory, allowance, trim
+from .profile import INFEASIBLE, BlockProfile, ChoiceMeasurement, block_key, grad_flags, measure_choice
+from .replay import Copies, replay_spec, spec_of
+from .tracker import LiveBytes, excluded_keys, grad_keys
+
+GUARD_MARGIN = 0.01
+"""The guard stops a measurement at this share below the budget: the operator that crosses the line
+has allocated its output before the guard sees it."""
+
+ORDER = ("offload", "recompute+offload", "recompute", "selective-alt", "selective", "keep")
+"""Choices from least to most memory: once one goes over the budget, those after it are not tried."""
+
+
+@dataclass
+class Verification:
+    """One step of the model under a candidate plan: the tracker's held and peak bytes, the process's
+    peak above the step's start (``None`` where the process cannot be read), its time, and whether
+    the guard stopped it (then ``process_peak`` is where it stopped)."""
+
+    held: int
+    peak: int
+    process_peak: int | None
+    seconds: float
+    stopped: bool = False
+
+
+class RegionProfiler:
+    """Measurements of ``session``'s model within ``limit`` bytes above ``baseline`` (see the module
+    docstring). Enter it to start the guard; ``limit`` may be set later (a fractional budget)."""
+
+    def __init__(self, session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 loss_fn: Callable[[Any], torch.Tensor] | None, memory: ProcessMemory, baseline: int,
+                 limit: int | None) -> None:
+        self.session, self.root, self.args, self.kwargs = session, root, args, kwargs
+        self.loss_fn = loss_fn or default_loss
+        self.memory = memory
+        self.guard = Guard(memory, baseline, None if limit is None else _guard_limit(limit))
+        self.times = OpTimes()
+        self.copies = Copies()
+        self.saved: SavedBytes | None = None
+        self.keys: dict[Any, int] = {}
+        self.excluded = excluded_keys(root, (args, kwargs))
+        self.tracker: LiveBytes | None = None
+        self.region_seconds: list[float] = []
+
+    # ---------------------------------------------------------------------------------- lifetime
+    def __enter__(self) -> RegionProfiler:
+        if self.memory.available:
+            self.guard.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.memory.available:
+            self.guard.__exit__(*exc_info)
+
+    def set_limit(self, limit: int) -> None:
+        self.guard.limit = _guard_limit(limit)
+
+    def used(self) -> int:
+        """The process's memory above the step's start now (0 where it cannot be read)."""
+        return self.guard.used() if self.memory.available else 0
+
+    def drop_copies(self) -> None:
+        """Free the regions' captured inputs (done before verifying: they are no part of a step), and
+        the garbage profiling left, so that what the process holds now (the overhead the solver
+        leaves room for) is the same from one run to the next."""
+        for site in self.session.sites:
+            site.captured = None
+        self.copies = Copies()
+        gc.collect()
+        trim()
+
+    def step(self, tracker: LiveBytes | None = None, backward: bool = True) -> None:
+        """One step of the model on the interrupted step's inputs."""
+        self.session.position = 0
+        output = self.root(*self.args, **self.kwargs)
+        loss = self.loss_fn(output)
+        del output
+        if tracker is not None:
+            tracker.mark("forward")
+        if backward:
+            loss.backward()
+        del loss
+
+    def _settle(self) -> None:
+        """After a measurement the guard stopped: wait for copies still in flight to a tier (they hold
+        memory), drop the aliases' gradients and collect the stopped step's garbage."""
+        for scope in list(self.session._shared.values()):
+            try:
+                scope.session.raise_write_errors(wait=True)
+            except OSError:
+                pass
+        self.session._shared = {}
+        self.root.zero_grad(set_to_none=True)
+        gc.collect()
+
+    # ---------------------------------------------------------------------------------- 1. count
+    def count(self) -> None:
+        """The forward-only counting step (see the module docstring)."""
+        self.session.mode = "count"
+        self.guard.open_window("counting what the model saves")
+        with SavedBytes(set(self.excluded)) as saved:
+            self.saved = saved
+            try:
+                self.step(backward=False)
+            finally:
+                self.saved = None
+        self.counted = saved
+
+    def count_region(self, index: int, function: Callable[..., Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], site: Any) -> Any:
+        """Region ``index`` in the counting step: run with grad, its saved tensors counted and not
+        kept; its input copied if no identical region came before; its output detached (so its
+        graph goes at once) and reduced to shapes for the replay."""
+        args, kwargs = region_inputs(function, args, kwargs)
+        key = (_code_of(function), block_key(site.owner if site.owner is not None else nn.Module(), args, kwargs))
+        site.key = key
+        if key not in self.keys:
+            self.keys[key] = index
+            site.captured = (*self.copies((args, kwargs)), grad_flags((args, kwargs)))
+        saved = self.saved
+        assert saved is not None
+        saved.owner = index
+        start = time.perf_counter()
+        try:
+            output = function(*args, **kwargs)
+        finally:
+            saved.owner = OUTSIDE
+        site.forward_seconds = time.perf_counter() - start
+        site.saved = saved.bytes.get(index, 0)
+        site.spec = spec_of(output)
+        leaves, rebuild = structures.flatten(output)
+        return rebuild([leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf
+                        for leaf in leaves])
+
+    # ---------------------------------------------------------------------------------- 2. outside
+    def replay_region(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        output = replay_spec(self.session.sites[index].spec, args, kwargs)
+        if index == len(self.session.sites) - 1 and self.tracker is not None:
+            _mark_when_reached(output, self.tracker, "head")
+        return output
+
+    def outside(self, choice: str) -> dict[str, float]:
+        """``held``, ``transient`` (up to the head's backward: the embeddings' backward runs when the
+        blocks hold nothing) and ``seconds`` of the part outside the regions run as ``choice``,
+        ``INFEASIBLE`` held bytes if it went over the budget."""
+        session = self.session
+        session.mode = "replay"
+        self.guard.open_window(f"the part outside the regions ({choice})")
+        install_outside(self.root, choice, session.prefetch, {})
+        tracker = LiveBytes(set(self.excluded), timed=True)
+        self.tracker = tracker
+        self.root.zero_grad(set_to_none=True)
+        try:
+            with tracker:
+                with Stopwatch() as watch:
+                    self.step(tracker)
+                tracker.mark("end")
+        except OverBudget:
+            tracker.release()
+            self._settle()
+            return {"held": INFEASIBLE, "transient": INFEASIBLE, "seconds": float("inf")}
+        finally:
+            self.tracker = None
+            install_outside(self.root, "keep")
+            self.root.zero_grad(set_to_none=True)
+        series = tracker.series(grad_keys(self.root))
+        tracker.release()
+        held = series[tracker.marks["forward"] - 1]
+        head = max(tracker.marks.get("head", len(series)), tracker.marks["forward"])
+        run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+        self.times.observe_run(run, moves_data=is_offload(choice))
+        return {"held": held, "transient": max(0, max(series[:head]) - held),
+                "seconds": run.estimate(self.times, moves_data=is_offload(choice))}
+
+    # ---------------------------------------------------------------------------------- 3. regions
+    def regions(self, choices: list[str], names: list[str]) -> list[BlockProfile]:
+        """Each distinct region alone, per choice (see the module docstring)."""
+        session = self.session
+        session.mode = "alone"
+        measured: dict[Any, tuple[BlockProfile, dict[str, ChoiceMeasurement]]] = {}
+        profiles: list[BlockProfile] = []
+        for name, site in zip(names, session.sites, strict=True):
+            if site.key in measured:
+                first = measured[site.key][0]
+                profiles.append(BlockProfile(name, first.held, first.transient, first.seconds, first.name,
+                                             first.window, site.saved))
+                continue
+            runs: dict[str, ChoiceMeasurement] = {}
+            profile = BlockProfile(name, {}, {}, {}, window={}, saved=site.saved)
+            over = False
+            for choice in sorted(choices, key=_memory_rank):
+                if over:  # a choice needing less memory already went over the budget
+                    profile.held[choice], profile.transient[choice] = INFEASIBLE, INFEASIBLE
+                    profile.seconds[choice], profile.window[choice] = float("inf"), 0
+                    continue
+                found = self._alone(site, choice)
+                if found is None:
+                    over = True
+                    profile.held[choice], profile.transient[choice] = INFEASIBLE, INFEASIBLE
+                    profile.seconds[choice], profile.window[choice] = float("inf"), 0
+                    continue
+                runs[choice] = found
+                profile.held[choice], profile.transient[choice] = found.held, found.transient
+                profile.window[choice] = found.window
+            # choices listed in the profile's order, seconds once every run is in (costs)
+            for table in (profile.held, profile.transient, profile.window):
+                ordered = {c: table[c] for c in choices}
+                table.clear()
+                table.update(ordered)
+            measured[site.key] = (profile, runs)
+            profiles.append(profile)
+        for _, runs in measured.values():
+            for choice, found in runs.items():
+                self.times.observe_run(found.run, moves_data="offload" in choice)
+        for profile, runs in measured.values():
+            profile.seconds.update({c: float("inf") for c in choices if c not in runs})
+            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data="offload" in c) for c in runs})
+            ordered = {c: profile.seconds[c] for c in choices}
+            profile.seconds.clear()
+            profile.seconds.update(ordered)
+        return profiles
+
+    def _alone(self, site: Any, choice: str) -> ChoiceMeasurement | None:
+        session = self.session
+        args, kwargs, flags = site.captured
+        self.guard.open_window(f"region {site.name} as {choice}")
+        session._shared = {}  # a fresh schedule per measurement
+        offload = SharedOffload(choice.partition(":")[2], session.prefetch) if is_offload(choice) else None
+        if offload is not None:
+            session._shared[offload.storage] = offload
+        owner = site.owner if site.owner is not None else self.root
+        try:
+            return measure_choice(functools.partial(_run_as, session, site, choice), args, kwargs,
+                                  flags, excluded_keys(self.root, (args, kwargs)),
+                                  functools.partial(grad_keys, self.root),
+                                  functools.partial(self.root.zero_grad, set_to_none=True), offload)
+        except OverBudget:
+            self._settle()
+            return None
+        finally:
+            session._shared = {}
+            del owner
+
+    # ---------------------------------------------------------------------------------- 4. verify
+    def verify(self, choices: list[str], outside: str) -> Verification:
+        """One step under ``choices`` / ``outside``, tracked, timed and measured as the process sees it."""
+        session = self.session
+        session.mode, session._candidate = "measure", choices
+        session._shared = {}
+        self.guard.open_window("one step of the model under the candidate plan")
+        self.root.zero_grad(set_to_none=True)
+        tracker = LiveBytes(set(self.excluded), timed=True)
+        install_outside(self.root, outside, session.prefetch, session._shared)
+        session._outside = outside
+        stopped = False
+        try:
+            with tracker:
+                with Stopwatch() as watch:
+                    self.step(tracker)
+                    for scope in session._shared.values():  # copies still in flight are part of the step
+                        scope.session.raise_write_errors(wait=True)
+                tracker.mark("end")
+            if self.memory.available:
+                self.guard.sample()
+        except OverBudget:
+            stopped = True
+            self._settle()
+        finally:
+            install_outside(self.root, "keep")
+            session._outside = "keep"
+            session._shared = {}
+        process_peak = self.guard.window_peak if self.memory.available else None
+        if stopped:
+            tracker.release()
+            return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True)
+        series = tracker.series(grad_keys(self.root))
+        tracker.release()
+        run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+        self.times.observe(run.durations)
+        seconds = run.estimate(self.times, moves_data=any("offload" in c for c in [*choices, outside]))
+        self.root.zero_grad(set_to_none=True)
+        return Verification(series[tracker.marks["forward"] - 1], max(series), process_peak, seconds)
+
+
+def _run_as(session: Any, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:
+    return session.run_choice(site, choice, site.function, args, kwargs)
+
+
+def _guard_limit(budget: int) -> int:
+    return int(budget * (1 - GUARD_MARGIN)) + allowance(budget)
+
+
+def _memory_rank(choice: str) -> int:
+    return ORDER.index(choice.partition(":")[0])
+
+
+def _mark_when_reached(output: Any, tracker: LiveBytes, name: str) -> None:
+    """Mark ``name`` on ``tracker`` when backward reaches ``output`` (the head's backward is over)."""
+    for leaf in structures.flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(lambda grad: tracker.mark(name) if name not in tracker.marks else None)
+            return
+
+
+def _code_of(function: Callable[..., Any]) -> Any:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return getattr(function, "__code__", None) or getattr(getattr(function, "__func__", None), "__code__", None) \
+        or type(function)
