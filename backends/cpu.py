@@ -7,6 +7,7 @@ submitted before their reads, so a FIFO pool cannot deadlock.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -45,11 +46,32 @@ def free_when_written(tier: Tier, written: Future[Any]) -> None:
     written.add_done_callback(free)
 
 
+WORKER_STACK_BYTES = 1 << 20
+"""Stack of each worker thread: they run a few shallow calls. The default (8 MiB) lets the kernel back
+a touched stack with a 2 MiB transparent huge page, 2 MiB of resident memory per worker that a memory
+budget would count for the rest of the run."""
+
+
+def _start_workers(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start all of ``pool``'s threads now, with ``WORKER_STACK_BYTES`` stacks (``ThreadPoolExecutor``
+    starts them lazily, with the process's default stack size)."""
+    previous = threading.stack_size(WORKER_STACK_BYTES)
+    try:
+        ready = threading.Barrier(workers + 1)
+        started = [pool.submit(ready.wait) for _ in range(workers)]
+        ready.wait()
+        for future in started:
+            future.result()
+    finally:
+        threading.stack_size(previous)
+
+
 class CpuBackend(Backend):
     """Moves CPU tensors to a tier with ``workers`` threads (the tier's I/O releases the GIL)."""
 
     def __init__(self, workers: int = 2) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="acshim-offload")
+        _start_workers(self._pool, workers)
 
     def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
         future = self._pool.submit(write_from, tier, [data])

@@ -319,6 +319,7 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
     if reference_peak == 0:
         notes.append("'keep' not among the choices: ratios are not shown")
     target = budget_bytes - overhead
+    seen_peaks: list[str] = []
     for attempt in range(retries + 1):
         try:
             found: Solution = solve(profile, target)
@@ -338,6 +339,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
         result.measured_held, result.measured_peak = verified.held, verified.peak
         result.measured_process_peak = verified.process_peak
         seen = verified.process_peak if verified.process_peak is not None else verified.peak
+        seen_peaks.append(f"{format_bytes(result.peak + overhead)} predicted, "
+                          f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
         if not verified.stopped and seen <= budget_bytes + (allowance(budget_bytes) if verified.process_peak else 0):
             result.verified_seconds = verified.seconds
             if target != budget_bytes - overhead:
@@ -345,7 +348,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
             return result
         over = max(seen - budget_bytes, 0) if not verified.stopped else 0
         target -= max(over, unit_of(profile), budget_bytes // 50 if verified.stopped else 0)
-    raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves")
+    raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "
+                     f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
 
 
 class PlanFileMismatch(ValueError):

@@ -47,7 +47,7 @@ from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices
 from .feedback import StepTimer
 from .plan import Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import ProcessMemory, check_memory_kind, trim
-from .profile import Profile, input_shapes, model_signature
+from .profile import INFEASIBLE, Profile, input_shapes, model_signature
 from .profiler import RegionProfiler, Verification
 from .report import frontier_table, write_png
 from .sites import (
@@ -363,6 +363,11 @@ class PlanSession:
             parts += dict.fromkeys(f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c))
         outside = {part: profiler.outside(part) for part in parts}
         kept = outside.pop("keep")
+        if limit is None and fraction is not None and kept["held"] < INFEASIBLE:
+            # closer to no checkpointing's peak: every region's saved bytes held while the head's
+            # backward runs (what keeping every block would hold then)
+            regions = sum(site.saved for site in self.sites)
+            profiler.set_limit(int(fraction * (kept["held"] + regions + kept["transient"])))
         # 3. each distinct region alone, per choice
         blocks = profiler.regions(choices, names)
         root.zero_grad(set_to_none=True)
