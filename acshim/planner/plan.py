@@ -14,7 +14,7 @@ from torch import nn
 from ..blocks import find_blocks
 from .budget import format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, install, install_outside, is_offload
-from .process import allowance, check_memory_kind
+from .process import check_memory_kind
 from .profile import INFEASIBLE, ModelState, Profile, feasible, model_signature, run_step
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
 
@@ -341,7 +341,7 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
         seen = verified.process_peak if verified.process_peak is not None else verified.peak
         seen_peaks.append(f"{format_bytes(result.peak + overhead)} predicted, "
                           f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
-        if not verified.stopped and seen <= budget_bytes + (allowance(budget_bytes) if verified.process_peak else 0):
+        if not verified.stopped and seen <= budget_bytes:
             result.verified_seconds = verified.seconds
             if target != budget_bytes - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")

@@ -26,7 +26,6 @@ import ctypes
 import ctypes.util
 import os
 import threading
-import time
 from typing import Any
 
 import torch
@@ -34,16 +33,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-RESOLUTION = 1 << 20
-"""What the process's memory cannot resolve: Python's object heap grows by 1 MiB arenas and the C
-heap by pages, as interpreter bookkeeping comes and goes. A budget is kept to within 2% of itself
-or this, whichever is larger (``allowance``)."""
-
-
-def allowance(budget: int) -> int:
-    """Bytes the process may hold above ``budget`` and still be within it: none from 50 MiB on
-    (2% of the budget covers the resolution), up to ``RESOLUTION`` for tiny budgets."""
-    return max(0, RESOLUTION - budget // 50)
 
 
 MEMORY_KINDS = ("process", "tensors")
@@ -127,10 +116,12 @@ def trim() -> None:
 
 class Guard(TorchDispatchMode):
     """Samples the process's memory after every operator on this thread (and on ``sample()``): the
-    ``peak`` above ``baseline`` is recorded, and once it exceeds ``limit`` the operator's caller gets
-    ``OverBudget`` (raised from the operator, so forward and backward unwind at once). ``what``
-    names the measurement for the error. ``limit=None`` only records. Nested ``watch`` calls
-    measure sub-intervals (their own peak) under one outer limit."""
+    ``peak`` above ``baseline`` is recorded, and an operator that would take the process above
+    ``limit`` is not run: its caller gets ``OverBudget`` (raised from the operator, so forward and
+    backward unwind at once). Far from the limit the check is the sample after each operator; within
+    the largest step up seen so far of it, each operator's outputs are first sized on the meta device
+    (shape inference, nothing allocated) and the operator stopped before it allocates them. ``what``
+    names the measurement for the error (``open_window``); ``limit=None`` only records."""
 
     def __init__(self, memory: ProcessMemory, baseline: int, limit: int | None = None) -> None:
         super().__init__()
@@ -138,8 +129,9 @@ class Guard(TorchDispatchMode):
         self.peak = 0
         self.what = "planning"
         self.window_peak = 0
-        self.samples = 0
-        self.seconds = 0.0
+        self.last = 0
+        self.largest_step = 0
+        """The largest rise of the process's memory across one operator seen so far."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -149,12 +141,10 @@ class Guard(TorchDispatchMode):
         return self.memory.current() - self.baseline
 
     def sample(self) -> int:
-        start = time.perf_counter()
         used = self.used()
-        self.samples += 1
         self.peak = max(self.peak, used)
         self.window_peak = max(self.window_peak, used)
-        self.seconds += time.perf_counter() - start
+        self.last = used
         if self.limit is not None and used > self.limit:
             raise OverBudget(used, self.limit, self.what)
         return used
@@ -162,9 +152,31 @@ class Guard(TorchDispatchMode):
     def open_window(self, what: str) -> None:
         """Start a measurement named ``what``: ``window_peak`` restarts from the memory held now."""
         self.what = what
-        self.window_peak = self.used()
+        self.window_peak = self.last = self.used()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.sample()
+        kwargs = kwargs or {}
+        if self.limit is not None and self.last + self.largest_step > self.limit:
+            size = _output_bytes(func, args, kwargs)
+            if size is not None and self.used() + size > self.limit:
+                raise OverBudget(self.used() + size, self.limit, self.what)
+        before = self.last
+        out = func(*args, **kwargs)
+        self.largest_step = max(self.largest_step, self.sample() - before)
         return out
+
+
+def _output_bytes(func: Any, args: Any, kwargs: Any) -> int | None:
+    """Bytes of the tensors ``func`` would return, from shape inference on the meta device; None if
+    the operator has no meta implementation (the sample after it is the check then)."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def meta(value: Any) -> Any:
+        return value.to("meta") if isinstance(value, torch.Tensor) and value.device.type != "meta" else value
+
+    try:
+        out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    except Exception:  # no meta kernel, or one that needs real data
+        return None
+    leaves, _ = tree_flatten(out)
+    return sum(leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor))

@@ -44,17 +44,20 @@ from ..region_state import region_inputs
 from .choices import SharedOffload, install_outside, is_offload
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
-from .process import Guard, OverBudget, ProcessMemory, allowance, trim
+from .process import Guard, OverBudget, ProcessMemory, trim
 from .profile import INFEASIBLE, BlockProfile, ChoiceMeasurement, block_key, grad_flags, measure_choice
 from .replay import Copies, replay_spec, spec_of
 from .tracker import LiveBytes, excluded_keys, grad_keys
 
 GUARD_MARGIN = 0.01
-"""The guard stops a measurement at this share below the budget: the operator that crosses the line
-has allocated its output before the guard sees it."""
+"""The guard stops a measurement at this share below the budget: room for what it cannot see,
+operators' own scratch memory freed before they return."""
 
-ORDER = ("offload", "recompute+offload", "recompute", "selective-alt", "selective", "keep")
-"""Choices from least to most memory: once one goes over the budget, those after it are not tried."""
+ORDER = (("recompute", "selective-alt", "selective", "keep"), ("offload", "recompute+offload"))
+"""Choices measured per region, in groups from least to most memory: once one goes over the budget,
+those after it in its group are not tried (they hold more, and their peak alone is no lower). The
+computing choices come first: a storage tier's first real copies leave the process a little larger
+for good (worker threads' heaps), which would otherwise be charged to every measurement after them."""
 
 
 @dataclass
@@ -238,15 +241,16 @@ class RegionProfiler:
                 continue
             runs: dict[str, ChoiceMeasurement] = {}
             profile = BlockProfile(name, {}, {}, {}, window={}, saved=site.saved)
-            over = False
+            over = None
             for choice in sorted(choices, key=_memory_rank):
-                if over:  # a choice needing less memory already went over the budget
+                group = _memory_rank(choice)[0]
+                if over == group:  # a choice of its group needing less memory already went over the budget
                     profile.held[choice], profile.transient[choice] = INFEASIBLE, INFEASIBLE
                     profile.seconds[choice], profile.window[choice] = float("inf"), 0
                     continue
                 found = self._alone(site, choice)
                 if found is None:
-                    over = True
+                    over = group
                     profile.held[choice], profile.transient[choice] = INFEASIBLE, INFEASIBLE
                     profile.seconds[choice], profile.window[choice] = float("inf"), 0
                     continue
@@ -339,11 +343,13 @@ def _run_as(session: Any, site: Any, choice: str, *args: Any, **kwargs: Any) -> 
 
 
 def _guard_limit(budget: int) -> int:
-    return int(budget * (1 - GUARD_MARGIN)) + allowance(budget)
+    return int(budget * (1 - GUARD_MARGIN))
 
 
-def _memory_rank(choice: str) -> int:
-    return ORDER.index(choice.partition(":")[0])
+def _memory_rank(choice: str) -> tuple[int, int]:
+    base = choice.partition(":")[0]
+    group = next(i for i, names in enumerate(ORDER) if base in names)
+    return group, ORDER[group].index(base)
 
 
 def _mark_when_reached(output: Any, tracker: LiveBytes, name: str) -> None:

@@ -127,6 +127,7 @@ class PlanSession:
     """A fractional budget in bytes, fixed by the first plan (later plans keep it)."""
     _planned_shapes: list[list[int]] = field(default_factory=list)
     _timer: StepTimer | None = None
+    _from_file: bool = False
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self, baseline_now: bool = False) -> PlanSession:
@@ -258,7 +259,7 @@ class PlanSession:
         if self.plan_file and os.path.exists(self.plan_file):
             self._use_plan_file(root, shapes)
         else:
-            self._plan_on(root, root_args, root_kwargs, shapes, interrupted=True)
+            self._plan_on(root, root_args, root_kwargs, shapes)
             if self.plan_file and rank() == 0:
                 self.plan.save(self.plan_file)  # type: ignore[union-attr]
         self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
@@ -277,15 +278,19 @@ class PlanSession:
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
 
-    def _plan_on(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]],
-                 interrupted: bool) -> None:
+    def _plan_on(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]]
+                 ) -> None:
         """Plan on one step of ``root`` on ``args``/``kwargs`` (the model left as found)."""
         snapshot = ModelSnapshot(root)
         memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
         device = device_of(root)
         if device.type == "cuda":
             memory = ProcessMemory(device, enabled=self.memory == "process")
-        baseline = self._baseline if (interrupted and self._baseline is not None) else _fresh_baseline(memory)
+        # the budget stays above what the process held when the first planned step started (what
+        # it has grown by since, code paged in, worker threads, is the run's and counts)
+        if self._baseline is None:
+            self._baseline = _fresh_baseline(memory)
+        baseline = self._baseline
         try:
             with _counters_paused(), parameters_aliased(root):  # profiling never reaches the real parameters
                 self.plan = self._solve(root, args, kwargs, memory, baseline)
@@ -400,6 +405,7 @@ class PlanSession:
         self._budget_bytes = self.plan.budget
         self._planned_shapes = self.plan.profile.inputs or shapes
         self.names = list(self.plan.blocks)
+        self._from_file = True
 
     def _replan(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]]) -> None:
         """Plan again, before this step's forward, on its larger inputs (within the same bytes)."""
@@ -414,7 +420,7 @@ class PlanSession:
             self._outside = "keep"
         self._shared = {}
         self.reuse = None
-        self._plan_on(root, args, kwargs, shapes, interrupted=False)
+        self._plan_on(root, args, kwargs, shapes)
         self.replans += 1
         self.mode = "planned"
         plan = self.plan
@@ -442,7 +448,7 @@ class PlanSession:
         try:
             with _counters_paused(), parameters_aliased(root):
                 profiler = RegionProfiler(self, root, self._timer.args, self._timer.kwargs,  # type: ignore[union-attr]
-                                          self.loss_fn, memory, _fresh_baseline(memory), plan.budget)
+                                          self.loss_fn, memory, self._baseline or _fresh_baseline(memory), plan.budget)
                 self._profiler = profiler
                 with profiler:
                     found = solve_within(profile, plan.budget,
@@ -485,7 +491,9 @@ class PlanSession:
             if plan.reference_peak and measured is not None else ""
         seen = "process" if plan.measured_process_peak is not None else "tracker"
         tail = (f"predicted peak {format_bytes(plan.peak)}, measured {format_bytes(measured or 0)} ({seen}){ratio}"
-                if measured is not None else f"predicted peak {format_bytes(plan.peak)}, from {self.plan_file}")
+                if measured is not None else f"predicted peak {format_bytes(plan.peak)}")
+        if self._from_file:
+            tail += f"; reused from {self.plan_file} (not profiled again)"
         if brief:
             return f"{chosen}; {tail}"
         asked: dict[str, int] = {}

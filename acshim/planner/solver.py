@@ -20,13 +20,14 @@ not offloaded. The solver runs once per outside choice and keeps the fastest.
 A choice that planning could not measure within the budget (``profile.INFEASIBLE``: its
 measurement alone went over, so no plan using it fits) is never picked.
 
-Risk. Offloading's time depends on a storage tier and on threads that share the cores with compute,
-so it varies with machine load more than compute does. The solver's objective charges each
-offloaded block (and an offloaded outside part) a premium of ``RISK`` of its computing time, and a
-plan that offloads is replaced by the best one that does not when that one is predicted within
-``NOISE`` of it: an offloading plan is chosen only where it is clearly faster, so plans do not flip
-between runs on a machine whose load changes. Exact ties go to the choice listed first (keep,
-selective, recompute before offload).
+Risk. Measured times carry noise, and offloading's time depends on a storage tier and on threads
+that share the cores with compute, so it varies with machine load more than compute does. The
+solver's objective charges each offloaded block (and an offloaded outside part) a premium of ``RISK``
+of its computing time. Among the plans whose objective is within ``NOISE`` of the best, it takes
+the one with the least predicted peak (more room under the budget; a deterministic pick among plans
+noise cannot tell apart, so the same profile up to noise gives the same plan), and a plan that
+offloads gives way to the best one that does not when that one is predicted within ``NOISE`` of it.
+Exact ties go to the choice listed first (keep, selective, recompute before offload).
 
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
 block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
@@ -50,8 +51,8 @@ UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
 RISK = 0.03
 """Premium, as a share of a block's computing time, charged for offloading it (see the docstring)."""
-NOISE = 0.03
-"""A plan that offloads gives way to one that does not when that one is predicted within this share."""
+NOISE = 0.02
+"""Plans predicted within this share of the best are told apart by risk, not time (module docstring)."""
 
 
 @dataclass
@@ -215,8 +216,10 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
     return chosen[::-1]
 
 
-def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> Solution | None:
+def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> tuple[float, Solution] | None:
+    """``(objective, solution)`` of the least-objective assignment fitting ``budget``."""
     best: tuple[float, Solution] | None = None
+    table = _objective(profile, choices)
     for outside in outsides:
         picked = _search(profile, budget, outside, choices)
         if picked is None:
@@ -224,11 +227,32 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
         names = [choices[i] for i in picked]
         found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
                          profile.seconds_of(names, outside), outside)
-        objective = float(_objective(profile, choices)[np.arange(len(names)), picked].sum()) + profile.other(outside)[2] \
+        objective = float(table[np.arange(len(names)), picked].sum()) + profile.other(outside)[2] \
             + (RISK * profile.other("keep")[2] if is_offload(outside) else 0.0)
         if best is None or objective < best[0]:
             best = (objective, found)
-    return None if best is None else best[1]
+    return best
+
+
+def _least_peak_within_noise(profile: Profile, budget: int, choices: list[str], outsides: list[str]
+                             ) -> Solution | None:
+    """Among assignments fitting ``budget`` whose objective is within ``NOISE`` of the least, the one
+    the least budget still allows (bisection on the budget: the least objective never rises with it)."""
+    best = _best(profile, budget, choices, outsides)
+    if best is None:
+        return None
+    allowed = best[0] * (1 + NOISE)
+    low, high = minimum_peak(profile), budget
+    step = max(unit_of(profile), budget // 256)
+    while high - low > step:
+        middle = (low + high) // 2
+        found = _best(profile, middle, choices, outsides)
+        if found is not None and found[0] <= allowed:
+            high = middle
+        else:
+            low = middle + 1
+    found = _best(profile, high, choices, outsides)
+    return found[1] if found is not None and found[0] <= allowed else best[1]
 
 
 def offloads(solution: Solution) -> bool:
@@ -242,12 +266,13 @@ def solve(profile: Profile, budget: int) -> Solution:
     charged its risk and given up for a plan within ``NOISE`` that does not offload (module
     docstring). On equal time the outside part is kept (it is listed first)."""
     outsides = profile.outside_choices()
-    best = _best(profile, budget, profile.choices, outsides)
+    best = _least_peak_within_noise(profile, budget, profile.choices, outsides)
     if best is None:
         raise BudgetTooSmall(budget, minimum_peak(profile))
     if offloads(best):
         computing = [c for c in profile.choices if "offload" not in c]
-        safe = _best(profile, budget, computing, [o for o in outsides if not is_offload(o)]) if computing else None
+        kept = [o for o in outsides if not is_offload(o)]
+        safe = _least_peak_within_noise(profile, budget, computing, kept) if computing and kept else None
         if safe is not None and safe.seconds <= best.seconds * (1 + NOISE):
             return safe
     return best
