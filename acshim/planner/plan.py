@@ -204,7 +204,7 @@ def reference(profile: Profile) -> tuple[int, float]:
 def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, choices: Sequence[str] = BASE_CHOICES,
          storage: str | Sequence[str] | None = None, prefetch: int = 2, repeats: int = 1, verify: bool = True,
-         retries: int = 4, reuse: Plan | None = None, memory: str = "process") -> Plan:
+         retries: int = 6, reuse: Plan | None = None, memory: str = "process") -> Plan:
     """Choose, per block of ``model``, between keeping, selective recompute, full recompute and
     offload so that one training step on ``example_batch`` peaks at most ``budget`` bytes of
     activation memory, as fast as the measurements predict.
@@ -277,7 +277,7 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
 
 
 def solve_within(profile: Profile, budget: int | float | str, measure: Callable[[Plan], Any] | None, *,
-                 retries: int = 4, overhead: int = 0, skip: tuple[list[str], str] | None = None) -> Plan:
+                 retries: int = 6, overhead: int = 0, skip: tuple[list[str], str] | None = None) -> Plan:
     """The fastest plan of ``profile`` under ``budget``; with ``measure`` (a candidate plan -> a
     ``profiler.Verification``) a plan measured over budget, by the process where it can be read,
     is re-solved under a tighter target, and never returned over budget. ``overhead``: what the
@@ -346,8 +346,16 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
             if target != budget_bytes - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")
             return result
-        over = max(seen - budget_bytes, 0) if not verified.stopped else 0
-        target -= max(over, unit_of(profile), budget_bytes // 50 if verified.stopped else 0)
+        if verified.stopped:
+            # stopped on its way over: where it stopped, the process held ``seen`` above the step's
+            # start for the tracker's ``live_at_stop`` activation bytes (heap slack, copies in flight:
+            # with glibc's default settings freed tensors stay in the heap). Scale the target for the
+            # activations by that ratio (at most 1.3 at a time: where the heap keeps freed memory the
+            # resident set runs ahead of the live bytes early in a step), and 2% more.
+            ratio = min(1.3, max(1.0, (seen - overhead) / max(1, verified.live_at_stop)))
+            target = min(target - unit_of(profile), int(target / ratio) - budget_bytes // 50)
+        else:
+            target -= max(seen - budget_bytes, unit_of(profile))
     raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "
                      f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
 

@@ -150,7 +150,11 @@ class Guard(TorchDispatchMode):
         return used
 
     def open_window(self, what: str) -> None:
-        """Start a measurement named ``what``: ``window_peak`` restarts from the memory held now."""
+        """Start a measurement named ``what``: free heap memory goes back to the system (with glibc's
+        default settings freed tensors stay in the heap, and the resident set would carry the last
+        measurement's high-water mark into this one), and ``window_peak`` restarts from what the
+        process holds now."""
+        trim()
         self.what = what
         self.window_peak = self.last = self.used()
 
@@ -174,9 +178,14 @@ def _output_bytes(func: Any, args: Any, kwargs: Any) -> int | None:
     def meta(value: Any) -> Any:
         return value.to("meta") if isinstance(value, torch.Tensor) and value.device.type != "meta" else value
 
+    returns = getattr(getattr(func, "_schema", None), "returns", None)
+    if returns is not None and all(r.alias_info is not None for r in returns):
+        return 0  # views and in-place operators allocate nothing
     try:
         out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
     except Exception:  # no meta kernel, or one that needs real data
         return None
-    leaves, _ = tree_flatten(out)
-    return sum(leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor))
+    leaves, _ = tree_flatten(out if isinstance(out, (tuple, list)) else (out,))
+    aliased = [r.alias_info is not None for r in returns] if returns is not None else []
+    return sum(leaf.untyped_storage().nbytes() for i, leaf in enumerate(leaves)
+               if isinstance(leaf, torch.Tensor) and not (i < len(aliased) and aliased[i]))

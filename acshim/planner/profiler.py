@@ -71,6 +71,8 @@ class Verification:
     process_peak: int | None
     seconds: float
     stopped: bool = False
+    live_at_stop: int = 0
+    """Where the guard stopped it: the activation bytes the tracker counted live then."""
 
 
 class RegionProfiler:
@@ -325,9 +327,10 @@ class RegionProfiler:
             session._outside = "keep"
         process_peak = self.guard.window_peak if self.memory.available else None
         if stopped:  # outside the except block: the stopped step's frames are gone with its traceback
+            live = tracker.series(set())[-1] if tracker.events else 0
             tracker.release()
             self._settle()
-            return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True)
+            return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True, live_at_stop=live)
         session._shared = {}
         series = tracker.series(grad_keys(self.root))
         tracker.release()

@@ -98,7 +98,7 @@ class PlanSession:
     plan_file: str | None = None
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     verify: bool = True
-    retries: int = 4
+    retries: int = 6
     reuse: Profile | None = None
     api: bool = False
     feedback: bool = True

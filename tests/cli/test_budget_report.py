@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from acshim.planner.solver import NOISE
+
 MODEL = """
 import json, os, sys, torch
 import acshim
@@ -22,10 +24,11 @@ def build():
     return seeded(lambda: GPT(layers=4, width=W, heads=4, seq=S, vocab=128))
 ids = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(3))
 """
-PLANNABLE = {"TEST_WIDTH": "256", "TEST_SEQ": "128", "TEST_BATCH": "4"}
-"""Sizes whose activations (about 60 MB without checkpointing) the process's memory resolves to 2%:
-a --budget run is measured as the process sees it (the 4x64 model holds less than the 1 MiB that
-interpreter bookkeeping moves)."""
+PLANNABLE = {"TEST_WIDTH": "256", "TEST_SEQ": "128", "TEST_BATCH": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}
+"""Sizes whose activations (about 60 MB without checkpointing) the process's memory resolves to 2%
+(a --budget run is measured as the process sees it: the 4x64 model holds less than the 1 MiB that
+interpreter bookkeeping moves), with freed tensors given back at once as docs/measuring.md says
+(with glibc's default settings they stay in its heap and the resident set runs ahead of them)."""
 
 CHECKPOINT_WRAPPER = MODEL + """
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -142,23 +145,24 @@ def test_torch_utils_checkpoint_calls_are_planned_and_reported(tmp_path: Path, f
 
 def test_plan_prints_table_and_frontier_and_exits_before_training_on(tmp_path: Path) -> None:
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("plan", "--budget", "2MiB", "--sweep", "--", str(script), "5", cwd=tmp_path)
+    done = _acshim("plan", "--budget", "40MiB", "--sweep", "--", str(script), "5", cwd=tmp_path, env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     assert "trained step" not in done.stdout  # stopped inside the first step
     out = done.stdout.splitlines()
-    assert out[0] == "acshim plan: budget 2.0 MiB (peak activation memory)"
+    assert out[0] == "acshim plan: budget 40.0 MiB (peak activation memory)"
     rows = {m.group(1): m.group(2) for line in out if (m := re.match(r"^(h\.\d)\S*\s+(\S+)", line))}
     assert sorted(rows) == ["h.0", "h.1", "h.2", "h.3"]
     known = ("keep", "selective", "selective-alt", "recompute", "offload:disk", "recompute+offload:disk")
     assert set(rows.values()) <= set(known)
     predicted = re.search(r"predicted: held .*, peak ([\d.]+) MiB", done.stdout)
-    assert predicted and float(predicted.group(1)) <= 2.0
+    assert predicted and float(predicted.group(1)) <= 40.0
     start = out.index("frontier (predicted from the block profile)")
     end = out.index("baselines (every region the same, predicted)")
     points = [line.split() for line in out[start + 2:end]]
     assert len(points) >= 3
     steps = [float(p[5]) for p in points]  # step ms column
-    assert steps == sorted(steps, reverse=True)  # more memory, never slower
+    # more memory, never slower (beyond the noise band within which the solver prefers less memory)
+    assert all(later <= earlier * (1 + NOISE) for earlier, later in zip(steps, steps[1:]))
     assert any(line.strip().startswith("none") for line in out[end:])
 
 
@@ -340,7 +344,8 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
     plain = subprocess.run([sys.executable, str(script), "off", "plain.pt"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    planned = _acshim("run", "--budget", "0.7", str(script), "gc", "planned.pt", cwd=tmp_path)
+    planned = _acshim("run", "--budget", "0.7", str(script), "gc", "planned.pt", cwd=tmp_path,
+                      env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert planned.returncode == 0, planned.stderr[-3000:]
     assert re.search(r"acshim: --budget .*replaced 4 region\(s\) \(4 hf: recompute\) by the plan", planned.stderr)
     import torch
@@ -353,7 +358,8 @@ def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
     """``--png`` with the optional 'plot' extra: a PNG of the frontier with the baselines beside it."""
     pytest.importorskip("matplotlib")
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("plan", "--budget", "2MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path)
+    done = _acshim("plan", "--budget", "40MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path,
+                   env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     png = (tmp_path / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
