@@ -70,7 +70,17 @@ def _get(profile: Profile, table: Any, key: str) -> Any:
     return table[key] if isinstance(table, dict) else getattr(table, key)
 
 
-def agree_measurement(held: int, peak: int, device: torch.device) -> tuple[int, int]:
-    """The largest ``(held, peak)`` any rank measured for the same candidate plan."""
-    agreed = _max([float(held), float(peak)], device)
-    return int(agreed[0]), int(agreed[1])
+def agree_bytes(value: int, device: torch.device) -> int:
+    """The largest ``value`` any rank has (what a process holds besides the plan's activations)."""
+    return int(_max([float(value)], device)[0])
+
+
+def agree_measurement(verified: Any, device: torch.device) -> Any:
+    """A verification (``profiler.Verification``) with the largest held and peak bytes any rank
+    measured for the same candidate plan, stopped if any rank's guard stopped it (in place)."""
+    agreed = _max([float(verified.held), float(verified.peak), float(verified.process_peak or 0),
+                   float(verified.stopped), float(verified.live_at_stop), float(verified.seconds)], device)
+    verified.held, verified.peak = int(agreed[0]), int(agreed[1])
+    verified.process_peak = int(agreed[2]) if verified.process_peak is not None else None
+    verified.stopped, verified.live_at_stop, verified.seconds = agreed[3] > 0, int(agreed[4]), agreed[5]
+    return verified

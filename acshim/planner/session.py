@@ -40,7 +40,7 @@ from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
-from .agree import agree_measurement, agree_profile
+from .agree import agree_bytes, agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, install_outside, is_offload
@@ -331,13 +331,13 @@ class PlanSession:
 
                 def measure(candidate: Plan) -> Verification:
                     found = profiler.verify(candidate.choices, candidate.outside)
-                    if self.world > 1:
-                        held, peak = agree_measurement(found.held, found.process_peak or found.peak, device_of(root))
-                        found.held, found.process_peak = held, peak
-                    return found
+                    return agree_measurement(found, device_of(root)) if self.world > 1 else found
 
+                overhead = profiler.used()
+                if self.world > 1:  # every rank solves the same numbers
+                    overhead = agree_bytes(overhead, device_of(root))
                 result = solve_within(profile, limit, measure if self.verify else None, retries=self.retries,
-                                      overhead=profiler.used())
+                                      overhead=overhead)
         finally:
             self._profiler = None
             self.mode = "idle" if self.plan is None else "planned"

@@ -153,8 +153,12 @@ def test_agreed_profile_takes_every_ranks_largest_number_and_refuses_other_regio
     assert block.seconds == pytest.approx(slower.blocks[0].seconds)
     assert isinstance(block.held["keep"], int) and isinstance(agreed.other_held, int)
     assert (agreed.other_transient, agreed.other_seconds, agreed.recompute_step) == (18, 1.0, {"peak": 6.0})
-    other["numbers"] = torch.tensor([300.0, 200.0], dtype=torch.float64)
-    assert agree_measurement(250, 100, torch.device("cpu")) == (300, 200)
+    from acshim.planner.profiler import Verification
+
+    other["numbers"] = torch.tensor([300.0, 200.0, 400.0, 1.0, 50.0, 2.0], dtype=torch.float64)
+    agreed = agree_measurement(Verification(250, 100, 500, 1.0), torch.device("cpu"))
+    assert (agreed.held, agreed.peak, agreed.process_peak, agreed.stopped, agreed.live_at_stop, agreed.seconds) == (
+        300, 200, 500, True, 50, 2.0)  # another rank's guard stopped it: stopped on every rank
     other["numbers"] = lambda tensor: -tensor + 1  # the other rank's layout digest differs
     with pytest.raises(RanksDisagree, match="ran different checkpointed regions"):
         agree_profile(profile(1.0), torch.device("cpu"))
