@@ -24,7 +24,7 @@ def test_plan_profiles_cached_blocks_and_trains_exactly(family: str) -> None:
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     reference = grads()
-    plan = acshim.plan(model, {"input_ids": ids, "labels": ids}, budget=0.5)  # use_cache left at the default
+    plan = acshim.plan(model, {"input_ids": ids, "labels": ids}, budget=0.5, memory="tensors")  # use_cache: default
     plan.apply(model)
     got = grads()
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
