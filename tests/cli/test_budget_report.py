@@ -364,3 +364,34 @@ def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
     png = (tmp_path / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert "frontier.png" in done.stdout
+
+
+def test_plan_file_is_written_then_reused_without_profiling_and_refused_for_another_budget(tmp_path: Path) -> None:
+    """``--plan-file``: the run that plans writes it; the next run of the same script, batch and
+    budget uses it without profiling (gradients bitwise as without checkpointing); another budget or
+    model is refused with exit 2 naming what differs."""
+    script = _script(tmp_path, CHECKPOINT_WRAPPER)
+    first = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path, env=PLANNABLE)
+    assert first.returncode == 0, first.stderr
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["format"] == "acshim-plan/1" and "reused" not in first.stderr
+    again = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path, env=PLANNABLE)
+    assert again.returncode == 0, again.stderr
+    assert "reused from plan.json (not profiled again)" in again.stderr
+    assert f"by the plan ({_counts(saved['choices'])}" in again.stderr
+    assert _result(again.stdout)["equal"]
+    other = _acshim("run", "--budget", "0.5", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path,
+                    env=PLANNABLE)
+    assert other.returncode == 2 and "--plan-file plan.json: it was made for a budget of" in other.stderr
+    wider = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path,
+                    env={**PLANNABLE, "TEST_WIDTH": "128"})
+    assert wider.returncode == 2 and "it was made for another model" in wider.stderr, wider.stderr[-2000:]
+    bad = _acshim("run", "--plan-file", "plan.json", str(script), cwd=tmp_path)
+    assert bad.returncode == 2 and "--plan-file saves or reuses a --budget plan; add --budget" in bad.stderr
+
+
+def _counts(choices: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[choice] = counts.get(choice, 0) + 1
+    return ", ".join(f"{n} {c}" for c, n in counts.items())

@@ -246,3 +246,47 @@ def test_outside_part_offloaded_by_the_plan_gradients_bitwise_and_undone(session
     session.stop()
     assert "forward" not in model.__dict__
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
+
+
+def test_a_plan_slower_than_predicted_is_solved_again_with_measured_costs(session_cleanup, monkeypatch,
+                                                                       capsys) -> None:
+    """Issue 17 item 3: the steps after planning are timed region by region; offloaded regions that
+    run measurably slower than predicted (here: their storage tier turns slow after planning, a
+    simulated link of 1 MB/s) make the session solve again with the measured costs before the next
+    step, say so on stderr, verify the new plan and switch to it (gradients stay bitwise)."""
+    from acshim.backends import SimulatedBackend
+    from acshim.planner import session as session_module
+    from acshim.planner.plan import Plan
+
+    chosen = ["offload:disk", "offload:disk", "recompute", "keep"]
+    solve_within = session_module.solve_within
+    calls = []
+
+    def first_offloads(profile, budget, measure, **kwargs):
+        calls.append(budget)
+        if len(calls) > 1:  # the re-solve after the timed steps: the solver's own choice
+            return solve_within(profile, budget, measure, **kwargs)
+        forced = Plan.from_choices(solve_within(profile, budget, None), chosen)
+        found = measure(forced)
+        forced.measured_held, forced.measured_peak = found.held, found.peak
+        return forced
+
+    monkeypatch.setattr(session_module, "solve_within", first_offloads)
+    expected = train_step(_model(), _ids(), seed=5)
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession(1.0, memory="tensors", choices=("keep", "recompute", "offload")).start()
+    session_cleanup.append(session)
+    assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))  # planned in this step
+    assert session.plan.choices == chosen
+    slow = SimulatedBackend(1 / 1e6)
+    session._shared["disk"].session.backend_override = slow  # the tier slows down after planning
+    for _ in range(3):  # two timed steps, then the re-solve before the third
+        assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
+    err = capsys.readouterr().err
+    assert "the plan's offloaded regions ran slower than predicted" in err, err
+    assert "solved again with the measured costs: now" in err, err
+    assert not any("offload" in c for c in session.plan.choices), session.plan.choices
+    assert any("re-solved after planning" in note for note in session.plan.notes)
+    assert slow.log  # the slow link really carried the copies
+    assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
