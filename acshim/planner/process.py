@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,9 +49,11 @@ def check_memory_kind(memory: object) -> None:
 class OverBudget(RuntimeError):
     """The process went above a guard's limit while planning measured something."""
 
-    def __init__(self, used: int, limit: int, what: str) -> None:
+    def __init__(self, used: int, limit: int, what: str, operator: str = "", size: int = 0) -> None:
         super().__init__(f"{what}: the process held {used} bytes above the step's start, over the limit {limit}")
         self.used, self.limit, self.what = used, limit, what
+        self.operator, self.size = operator, size
+        """The operator stopped before it ran and the bytes of its outputs (where it was sized)."""
 
 
 class ProcessMemory:
@@ -83,7 +86,7 @@ class ProcessMemory:
             return 0
         with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
             fields = os.pread(self._fd, 128, 0).split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE
+        return int(fields[1]) * _PAGE
 
     def close(self) -> None:
         if self._fd is not None:
@@ -118,14 +121,17 @@ class Guard(TorchDispatchMode):
     """Samples the process's memory after every operator on this thread (and on ``sample()``): the
     ``peak`` above ``baseline`` is recorded, and an operator that would take the process above
     ``limit`` is not run: its caller gets ``OverBudget`` (raised from the operator, so forward and
-    backward unwind at once). Far from the limit the check is the sample after each operator; within
-    the largest step up seen so far of it, each operator's outputs are first sized on the meta device
-    (shape inference, nothing allocated) and the operator stopped before it allocates them. ``what``
-    names the measurement for the error (``open_window``); ``limit=None`` only records."""
+    backward unwind at once). An operator whose outputs could take the process over the limit (it
+    is within the largest rise seen so far, or twice the operator's largest input, of it; or the
+    operator can make outputs larger than its inputs: a matmul, a factory, a concatenation) first has
+    its outputs sized on the meta device (shape inference, nothing allocated) and is stopped before
+    it allocates them; the others are checked by the sample after them. ``what`` names the
+    measurement for the error (``open_window``); ``limit=None`` only records."""
 
-    def __init__(self, memory: ProcessMemory, baseline: int, limit: int | None = None) -> None:
+    def __init__(self, memory: ProcessMemory, baseline: int, limit: int | Callable[[], int] | None = None) -> None:
         super().__init__()
         self.memory, self.baseline, self.limit = memory, baseline, limit
+        """Bytes, or a function giving them at each check (a limit that grows with what is learnt)."""
         self.peak = 0
         self.what = "planning"
         self.window_peak = 0
@@ -145,9 +151,13 @@ class Guard(TorchDispatchMode):
         self.peak = max(self.peak, used)
         self.window_peak = max(self.window_peak, used)
         self.last = used
-        if self.limit is not None and used > self.limit:
-            raise OverBudget(used, self.limit, self.what)
+        limit = self.current_limit()
+        if limit is not None and used > limit:
+            raise OverBudget(used, limit, self.what)
         return used
+
+    def current_limit(self) -> int | None:
+        return self.limit() if callable(self.limit) else self.limit
 
     def open_window(self, what: str) -> None:
         """Start a measurement named ``what``: free heap memory goes back to the system (with glibc's
@@ -160,14 +170,41 @@ class Guard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.limit is not None and self.last + self.largest_step > self.limit:
+        limit = self.current_limit()
+        if limit is not None and (self.last + max(self.largest_step, 2 * _largest_input(args, kwargs)) > limit
+                                  or _may_grow(func)):
             size = _output_bytes(func, args, kwargs)
-            if size is not None and self.used() + size > self.limit:
-                raise OverBudget(self.used() + size, self.limit, self.what)
+            if size is not None and self.used() + size > limit:
+                raise OverBudget(self.used() + size, limit, self.what, str(func), size)
         before = self.last
         out = func(*args, **kwargs)
         self.largest_step = max(self.largest_step, self.sample() - before)
         return out
+
+
+_GROWING = frozenset((
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "tensordot", "outer", "kron", "embedding",
+    "cat", "stack", "repeat", "repeat_interleave", "expand_copy", "index_select", "gather", "_unsafe_index",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "_to_copy", "cdist",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_attention_math", "one_hot", "pad", "constant_pad_nd", "upsample_nearest2d",
+    "upsample_bilinear2d"))
+"""Operators whose outputs can be larger than twice their largest input (checked on the meta device)."""
+
+
+def _may_grow(func: Any) -> bool:
+    name = getattr(func, "_opname", None) or getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+    if name in _GROWING:
+        return True
+    schema = getattr(func, "_schema", None)  # factories (empty, zeros, full, arange, randn): no tensor inputs
+    return schema is not None and not any(str(a.type).startswith("Tensor") for a in schema.arguments)
+
+
+def _largest_input(args: Any, kwargs: Any) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs))
+    return max((leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor)), default=0)
 
 
 def _output_bytes(func: Any, args: Any, kwargs: Any) -> int | None:

@@ -76,6 +76,8 @@ class Profile:
     """Bytes the part outside the blocks saves for backward (counted, never held)."""
     inputs: list[list[int]] = field(default_factory=list)
     """Shapes of the step's input tensors the profile was measured on."""
+    stops: dict[str, int] = field(default_factory=dict)
+    """Parts whose measurement the budget stopped, with what the process held then."""
 
     def outside_choices(self) -> list[str]:
         """The choices for the part outside the blocks that were measured within the budget."""
@@ -91,10 +93,11 @@ class Profile:
         return int(entry["held"]), int(entry["transient"]), float(entry["seconds"])
 
     def window(self) -> int:
-        """Bytes of the shared offload schedule's resident window (largest over blocks), 0 without
-        an offload choice."""
-        return max((size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)),
-                   default=0)
+        """Bytes the shared offload schedule holds besides the blocks' own, from the first offloaded
+        block on: its resident window (largest over blocks) and the copies it lets be in flight
+        (``SharedOffload.IN_FLIGHT``); 0 without an offload choice."""
+        windows = [size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)]
+        return max(windows) + SharedOffload.IN_FLIGHT if windows else 0
 
     def peak_of(self, assignment: list[str], outside: str = "keep") -> int:
         """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes;
@@ -123,7 +126,7 @@ class Profile:
                 "other_transient": self.other_transient, "other_seconds": self.other_seconds,
                 "signature": self.signature, "prefetch": self.prefetch, "method": self.method,
                 "recompute_step": self.recompute_step, "outside": self.outside, "other_saved": self.other_saved,
-                "inputs": self.inputs}
+                "inputs": self.inputs, "stops": self.stops}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:

@@ -92,7 +92,9 @@ class RegionProfiler:
         self.keys: dict[Any, int] = {}
         self.excluded = excluded_keys(root, (args, kwargs))
         self.tracker: LiveBytes | None = None
-        self.region_seconds: list[float] = []
+        self.stops: dict[str, int] = {}
+        """Per part that could not be measured within the budget, what the process held when stopped."""
+        self._window_start = 0
 
     # ---------------------------------------------------------------------------------- lifetime
     def __enter__(self) -> RegionProfiler:
@@ -147,17 +149,46 @@ class RegionProfiler:
         trim()
 
     # ---------------------------------------------------------------------------------- 1. count
-    def count(self) -> None:
-        """The forward-only counting step (see the module docstring)."""
+    def count(self, fraction: float | None = None) -> None:
+        """The forward-only counting step (see the module docstring). ``fraction``: the budget is that
+        share of no checkpointing's peak, not known yet; no checkpointing would hold what has been
+        counted so far on top of what this step holds, so the step is stopped once it holds more than
+        ``fraction / (1 - fraction)`` of the counted bytes (beyond what the interrupted step's first
+        part, which it repeats, took). ``OverBudget`` if stopped: one forward, keeping nothing,
+        already needs more than the budget can be."""
         self.session.mode = "count"
-        self.guard.open_window("counting what the model saves")
-        with SavedBytes(set(self.excluded)) as saved:
+        self.guard.open_window("one forward of the model, keeping nothing")
+        saved = SavedBytes(set(self.excluded))
+        if fraction is not None:
+            start = self.guard.last
+            floor = max(2 * start, 1 << 20)
+            share = fraction / max(1e-9, 1 - fraction)
+            self.guard.limit = lambda: start + floor + int(share * saved.total())
+        stopped = None
+        with saved:
             self.saved = saved
             try:
                 self.step(backward=False)
+            except OverBudget as error:
+                where = ("the part outside the blocks (embeddings, head, loss)" if saved.owner == OUTSIDE
+                         else f"region {saved.owner}")
+                stopped = (error.used, error.operator, error.size, where)
             finally:
                 self.saved = None
         self.counted = saved
+        if stopped is not None:  # outside the except block: the stopped step's frames are gone
+            self._settle()
+            self.stops["forward"] = stopped[0]
+            raise OverBudget(stopped[0], self.guard.current_limit() or 0, stopped[3], stopped[1], stopped[2])
+
+    def fraction_limit_for_outside(self, fraction: float, least: int = 0) -> None:
+        """While the part outside the regions is measured and the budget is a share of no
+        checkpointing's peak: that peak holds every region's saved bytes while this part runs, so
+        this part may hold ``fraction`` of those and of its own high-water mark (and at least
+        ``least``, a lower bound of the budget known already)."""
+        regions = sum(site.saved for site in self.session.sites)
+        self.guard.limit = lambda: max(least, int(fraction * (regions + max(0, self.guard.window_peak
+                                                                            - self._window_start))))
 
     def count_region(self, index: int, function: Callable[..., Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any], site: Any) -> Any:
@@ -199,6 +230,7 @@ class RegionProfiler:
         session = self.session
         session.mode = "replay"
         self.guard.open_window(f"the part outside the regions ({choice})")
+        self._window_start = self.guard.last
         install_outside(self.root, choice, session.prefetch, {})
         tracker = LiveBytes(set(self.excluded), timed=True)
         self.tracker = tracker
@@ -217,6 +249,7 @@ class RegionProfiler:
             self.root.zero_grad(set_to_none=True)
         if stopped:  # outside the except block: the stopped step's frames are gone with its traceback
             tracker.release()
+            self.stops[f"outside {choice}"] = self.guard.window_peak
             self._settle()
             return {"held": INFEASIBLE, "transient": INFEASIBLE, "seconds": float("inf")}
         series = tracker.series(grad_keys(self.root))
@@ -257,7 +290,9 @@ class RegionProfiler:
                     profile.seconds[choice], profile.window[choice] = float("inf"), 0
                     continue
                 runs[choice] = found
-                profile.held[choice], profile.transient[choice] = found.held, found.transient
+                # an offloaded block's own copies in flight, however far they had got when measured
+                in_flight = SharedOffload.IN_FLIGHT if "offload" in choice else 0
+                profile.held[choice], profile.transient[choice] = found.held, found.transient + in_flight
                 profile.window[choice] = found.window
             # choices listed in the profile's order, seconds once every run is in (costs)
             for table in (profile.held, profile.transient, profile.window):
@@ -295,6 +330,7 @@ class RegionProfiler:
             pass
         finally:
             if found is None:
+                self.stops[f"region {site.name}"] = max(self.stops.get(f"region {site.name}", 0), self.guard.window_peak)
                 self._settle()
             session._shared = {}
         return found

@@ -44,9 +44,10 @@ from .agree import agree_bytes, agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
 from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, install_outside, is_offload
+from .estimate import step_peak
 from .feedback import StepTimer
 from .plan import Plan, PlanFileMismatch, load_plan_file, reference, solve_within
-from .process import ProcessMemory, check_memory_kind, trim
+from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
 from .profiler import RegionProfiler, Verification
 from .report import frontier_table, write_png
@@ -128,6 +129,8 @@ class PlanSession:
     _planned_shapes: list[list[int]] = field(default_factory=list)
     _timer: StepTimer | None = None
     _from_file: bool = False
+    _fake_peak: int = 0
+    """No checkpointing's peak from one step on fake tensors (``estimate``), where it ran."""
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self, baseline_now: bool = False) -> PlanSession:
@@ -170,6 +173,8 @@ class PlanSession:
             self._plan_now(function, args, kwargs, options)
         index = self.position
         self.position += 1
+        if self.mode == "plain":  # estimate.forward_peak's fake forward
+            return function(*args, **kwargs)
         if self.mode == "count":
             site = self._site(index, function, options)
             return self._profiler.count_region(index, function, args, kwargs, site)  # type: ignore[union-attr]
@@ -346,14 +351,25 @@ class PlanSession:
 
     def _profile(self, root: nn.Module, profiler: RegionProfiler, fraction: float | None,
                  limit: int | None) -> Profile:
+        # 0. a fractional budget: a lower bound of its bytes before anything real runs
+        least = 0
+        if limit is None and fraction is not None:
+            fake = step_peak(self, root, profiler.args, profiler.kwargs, profiler.loss_fn)
+            if fake is not None:  # its forward's high-water mark: below no checkpointing's peak however counted
+                least = int(fraction * fake.forward)
+                self._fake_peak = fake.peak
         # 1. count what the model saves, capture the distinct regions' inputs
-        profiler.count()
+        try:
+            if least:
+                profiler.set_limit(least)
+            profiler.count(fraction if limit is None and not least else None)
+        except OverBudget as error:
+            raise BudgetTooSmall.forward_alone(self.budget, error, self._fake_peak, profiler.used()) from None
         if not self.sites:
             raise ValueError("the model's step ran no checkpointed region")
         counted = profiler.counted
         if limit is None and fraction is not None:
-            # a share of what no checkpointing holds: the counted saved bytes are a lower bound of its peak
-            profiler.set_limit(int(fraction * counted.total()))
+            profiler.fraction_limit_for_outside(fraction, least)
         names = site_names(root, self.sites)
         for name, site in zip(names, self.sites, strict=True):
             site.name = name
@@ -372,7 +388,7 @@ class PlanSession:
             # closer to no checkpointing's peak: every region's saved bytes held while the head's
             # backward runs (what keeping every block would hold then)
             regions = sum(site.saved for site in self.sites)
-            profiler.set_limit(int(fraction * (kept["held"] + regions + kept["transient"])))
+            profiler.set_limit(max(least, int(fraction * (kept["held"] + regions + kept["transient"]))))
         # 3. each distinct region alone, per choice
         blocks = profiler.regions(choices, names)
         root.zero_grad(set_to_none=True)
@@ -382,6 +398,7 @@ class PlanSession:
             signature=model_signature(root, [(n, s.owner if s.owner is not None else root)
                                              for n, s in zip(names, self.sites, strict=True)]),
             prefetch=self.prefetch, method=METHOD, outside=outside, other_saved=counted.bytes.get(-1, 0),
+            stops=dict(profiler.stops),
             recompute_step={"saved": counted.total(),
                             "forward_seconds": sum(site.forward_seconds for site in self.sites)})
         if self.world > 1:  # every rank solves the same numbers, so every rank gets the same plan

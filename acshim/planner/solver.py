@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -74,6 +75,26 @@ class BudgetTooSmall(ValueError):
     MARGIN = 0.05
     """Room above the least predicted peak in the suggested budget: the least plan is verified as the
     process sees it, and a suggestion exactly at the prediction fails on any error in it."""
+
+    @classmethod
+    def forward_alone(cls, budget: object, stop: Any, no_checkpointing: int = 0, overhead: int = 0
+                      ) -> BudgetTooSmall:
+        """One forward of the model, keeping nothing for backward, went over the budget (a share of
+        no checkpointing's peak, which holds at least that): no plan fits. ``stop``: the guard's
+        ``OverBudget`` (where, which operator, how many bytes). ``no_checkpointing``: that peak,
+        from a step on fake tensors where it ran: running without checkpointing needs it (and
+        ``overhead``, what the process held besides), so a budget with it, and room for what
+        tensors do not show, plans; else ``UNMEASURED`` times what the forward would have held."""
+        error = cls.__new__(cls)
+        error.budget, error.minimum = 0, INFEASIBLE
+        error.parts = [(f"{stop.what}: {stop.operator or 'an operator'} would have made", stop.size)] if stop.size else []
+        error.suggested = (int((no_checkpointing + overhead) * (1 + 2 * cls.MARGIN)) if no_checkpointing
+                           else UNMEASURED * stop.used)
+        made = f" ({stop.operator} would have made {format_bytes(stop.size)} of output)" if stop.size else ""
+        ValueError.__init__(error, f"one forward of the model, keeping nothing for backward, needs more than the "
+                                   f"budget {budget} of no checkpointing's peak can be: in {stop.what}{made} the "
+                                   f"process would have held {format_bytes(stop.used)} above the step's start")
+        return error
 
     def __init__(self, budget: int, minimum: int, overhead: int = 0, profile: Profile | None = None) -> None:
         self.budget, self.minimum = budget, minimum
@@ -323,10 +344,14 @@ def unmeasured(profile: Profile | None) -> str:
     return "the model"
 
 
+UNMEASURED = 3
+"""A part stopped on its way over the budget needs more than it held then; the suggestion for it is
+this many times that (an LM head's logits are followed by the loss's copy of them and their gradient)."""
+
+
 def suggest_unmeasured(profile: Profile, budget: int) -> int:
-    """A budget to try when nothing could be measured within ``budget``: what the part that could
-    not be measured saves (counted without holding it) twice over, plus the budget already spent."""
-    if not profile.outside_choices():
-        return budget + 2 * profile.other_saved
-    block = next((b for b in profile.blocks if not any(feasible(b, c) for c in profile.choices)), None)
-    return budget + 2 * (block.saved if block is not None else budget)
+    """A budget to try when some part could not be measured within ``budget``: ``UNMEASURED`` times
+    what the process held when the part was stopped (a next attempt measures it and, if the budget
+    is still below the least achievable peak, names that exactly)."""
+    reached = max(profile.stops.values(), default=0)
+    return max(budget + 1, UNMEASURED * reached)

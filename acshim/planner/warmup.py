@@ -33,6 +33,12 @@ def _warmed(choices: tuple[str, ...]) -> bool:
         layer(inputs).sum().backward()
     with SavedBytes(set()):
         layer(inputs).sum()
+    from torch._subclasses.fake_tensor import FakeTensorMode  # estimate.step_peak
+    from torch.func import functional_call
+
+    with FakeTensorMode() as mode:
+        state = {name: mode.from_tensor(p).requires_grad_() for name, p in layer.named_parameters()}
+        functional_call(layer, state, (mode.from_tensor(inputs),)).sum().backward()
     for choice in choices:
         base = choice.partition(":")[0]
         if base == "keep":
