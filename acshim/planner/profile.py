@@ -97,7 +97,14 @@ class Profile:
         block on: its resident window (largest over blocks) and the copies it lets be in flight
         (``SharedOffload.IN_FLIGHT``); 0 without an offload choice."""
         windows = [size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)]
-        return max(windows) + SharedOffload.IN_FLIGHT if windows else 0
+        return max(windows) + self.in_flight() if windows else 0
+
+    def in_flight(self) -> int:
+        """Bytes an offloading plan may have in flight: the tier's back-pressure bound, or what two
+        blocks save, if less (copies cannot be larger than what was saved)."""
+        largest = max((max(b.saved, b.held.get("keep", 0) if feasible(b, "keep") else 0) for b in self.blocks),
+                      default=0)
+        return min(SharedOffload.IN_FLIGHT, 2 * largest) if largest else SharedOffload.IN_FLIGHT
 
     def peak_of(self, assignment: list[str], outside: str = "keep") -> int:
         """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes;

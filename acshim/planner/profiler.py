@@ -291,7 +291,7 @@ class RegionProfiler:
                     continue
                 runs[choice] = found
                 # an offloaded block's own copies in flight, however far they had got when measured
-                in_flight = SharedOffload.IN_FLIGHT if "offload" in choice else 0
+                in_flight = min(SharedOffload.IN_FLIGHT, 2 * site.saved) if "offload" in choice else 0
                 profile.held[choice], profile.transient[choice] = found.held, found.transient + in_flight
                 profile.window[choice] = found.window
             # choices listed in the profile's order, seconds once every run is in (costs)
