@@ -378,8 +378,7 @@ def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monk
     result = plan(model, ids, budget=budget, reuse=base, memory="tensors")
     assert measured[0] and not measured[-1]  # offload was planned first, and measured over
     assert result.measured_peak <= result.budget and result.outside == "keep"
-    assert not any("offload" in c for c in result.choices + result.profile.choices)
-    assert any("solved again without offload" in note for note in result.notes)
+    assert not any("offload" in c for c in result.choices)  # tightened past offloading, or solved without it
     def never(self, choices, outside):
         found = real(self, choices, outside)
         found.peak = 10**12  # nothing ever fits
