@@ -20,6 +20,11 @@ from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve,
 
 FORMAT = "acshim-plan/1"
 
+HEADROOM = 0.03
+"""A plan is accepted when its verification step peaked this share below the budget: room for what
+sampling between operators cannot see in later steps (operators' scratch memory, copies in flight
+that land at other moments)."""
+
 
 @dataclass
 class FrontierPoint:
@@ -318,7 +323,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
     notes = []
     if reference_peak == 0:
         notes.append("'keep' not among the choices: ratios are not shown")
-    target = budget_bytes - overhead
+    accept = int(budget_bytes * (1 - HEADROOM))
+    target = accept - overhead
     seen_peaks: list[str] = []
     for attempt in range(retries + 1):
         try:
@@ -341,9 +347,9 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
         seen = verified.process_peak if verified.process_peak is not None else verified.peak
         seen_peaks.append(f"{format_bytes(result.peak + overhead)} predicted, "
                           f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
-        if not verified.stopped and seen <= budget_bytes:
+        if not verified.stopped and seen <= accept:
             result.verified_seconds = verified.seconds
-            if target != budget_bytes - overhead:
+            if target != accept - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")
             return result
         if verified.stopped:
@@ -355,7 +361,7 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
             ratio = min(1.3, max(1.0, (seen - overhead) / max(1, verified.live_at_stop)))
             target = min(target - unit_of(profile), int(target / ratio) - budget_bytes // 50)
         else:
-            target -= max(seen - budget_bytes, unit_of(profile))
+            target -= max(seen - accept, unit_of(profile))
     raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "
                      f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
 

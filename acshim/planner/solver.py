@@ -101,8 +101,13 @@ class BudgetTooSmall(ValueError):
         self.parts = breakdown(profile, overhead) if profile is not None and minimum < INFEASIBLE else []
         self.suggested = int(minimum * (1 + self.MARGIN)) if minimum < INFEASIBLE else 0
         if minimum >= INFEASIBLE:
+            part = unmeasured(profile)
+            reached = max((size for what, size in (profile.stops if profile is not None else {}).items()
+                           if what.endswith(part.removeprefix("block ")) or part.startswith("the part outside")
+                           and what.startswith("outside")), default=0)
             text = (f"budget {format_bytes(budget)} ({budget} bytes) is too small to measure any way of running "
-                    f"{unmeasured(profile)} within it")
+                    f"{part} within it" + (f": the least its measurements needed was over {format_bytes(reached)}"
+                                           if reached else ""))
             self.suggested = suggest_unmeasured(profile, budget) if profile is not None else 2 * budget
         else:
             text = (f"budget {format_bytes(budget)} ({budget} bytes) is below the least achievable peak activation "
