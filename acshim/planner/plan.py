@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -330,8 +331,9 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
         try:
             found: Solution = solve(profile, target)
         except BudgetTooSmall as error:
-            if attempt == 0:
-                raise BudgetTooSmall(budget_bytes, error.minimum + overhead, overhead, profile) from None
+            if attempt == 0:  # the least peak with what the process holds besides, and the headroom
+                least = math.ceil((error.minimum + overhead) / (1 - HEADROOM))
+                raise BudgetTooSmall(budget_bytes, least, overhead, profile) from None
             raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)}: predictions were "
                              f"low by up to {format_bytes(budget_bytes - overhead - target)} and the tightened "
                              f"budget is below the least achievable peak {format_bytes(error.minimum + overhead)}"

@@ -518,8 +518,8 @@ class PlanSession:
             label = f"{site.dialect}: {site.asked}"
             asked[label] = asked.get(label, 0) + 1
         regions = len(self.sites) or len(plan.blocks)
-        return (f"acshim: --budget {format_bytes(plan.budget)}: replaced {regions} region(s) "
-                f"({', '.join(f'{n} {k}' for k, n in asked.items())}) by the plan ({chosen}); {tail}")
+        what = f"({', '.join(f'{n} {k}' for k, n in asked.items())}) " if asked else ""
+        return f"acshim: --budget {format_bytes(plan.budget)}: replaced {regions} region(s) {what}by the plan ({chosen}); {tail}"
 
     def report(self) -> str:
         """``acshim plan``'s output: the plan table, with ``sweep`` the frontier and baselines."""

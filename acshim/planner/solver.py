@@ -52,7 +52,7 @@ UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
 RISK = 0.03
 """Premium, as a share of a block's computing time, charged for offloading it (see the docstring)."""
-NOISE = 0.02
+NOISE = 0.03
 """Plans predicted within this share of the best are told apart by risk, not time (module docstring)."""
 
 
