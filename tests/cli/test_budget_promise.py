@@ -79,13 +79,13 @@ dominates is outside the blocks: the logits and the loss over the vocabulary), H
 checkpointing with use_reentrant=True as PEFT's examples/sft/train.py sets it."""
 
 
-def _run(tmp_path: Path, script: str, *args: str, budget: str, extra: tuple[str, ...] = ()
+def _run(tmp_path: Path, script: str, *args: str, budget: str, extra: tuple[str, ...] = (), verb: str = "run"
          ) -> subprocess.CompletedProcess:
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(script))
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "acshim", "run", "--budget", budget, *extra, str(path), *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    return subprocess.run([sys.executable, "-m", "acshim", verb, "--budget", budget, *extra, *(["--"] * (verb == "plan")),
+                           str(path), *args], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
 
 
 def _result(done: subprocess.CompletedProcess) -> dict:
@@ -155,3 +155,23 @@ def test_budget_below_the_least_peak_names_what_dominates_and_its_suggestion_pla
     suggested = _suggestion(refused.stderr)
     result = _result(_run(tmp_path, HF_LOOP, "8x384x2", "256,256", budget=suggested))
     assert all(peak <= result["budget"] * 1.02 for peak in result["peaks"]), result
+
+
+def test_the_same_plan_idle_and_with_a_core_kept_busy(tmp_path: Path) -> None:
+    """Issue 17 item 2: the same model, batch and budget give the same plan in two processes, the
+    second with another process keeping a core busy throughout (started and killed here, by pid).
+    (Before this change: '6 offload:disk' under load against '5 recompute+offload:disk, 1 keep'.)"""
+    plans = []
+    for busy in (False, True):
+        loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            done = _run(tmp_path, HF_LOOP, "8x384x2", "256", budget="0.25", extra=("--plan-file", f"plan{busy}.json"),
+                        verb="plan")
+        finally:
+            if loop is not None:
+                loop.kill()
+                loop.wait(timeout=30)
+        assert done.returncode == 0, done.stderr[-3000:]
+        saved = json.loads((tmp_path / f"plan{busy}.json").read_text())
+        plans.append((saved["choices"], saved["outside"]))
+    assert plans[0] == plans[1], plans
