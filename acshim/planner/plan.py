@@ -64,6 +64,9 @@ class Plan:
     reference_peak: int = 0
     reference_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    overhead: int = 0
+    """What the process held above the step's start besides the plan's activations when it was solved
+    (the interrupted step's first part, worker threads, code paged in): left room for."""
     verified_seconds: float | None = None
     """The verification step's time (untracked, operator by operator as the profile)."""
     outside: str = "keep"
@@ -139,6 +142,8 @@ class Plan:
         other_held, other_transient, other_seconds = self.profile.other(self.outside)
         rows.append(f"{'(outside blocks)':<24} {self.outside:<24} {format_bytes(other_held):>10} "
                     f"{format_bytes(other_transient):>10} {other_seconds * 1e3:>8.1f}")
+        if self.overhead:
+            rows.append(f"held besides the activations when solved: {format_bytes(self.overhead)} (left room for)")
         rows.append(f"predicted: held {format_bytes(self.held)}, peak {format_bytes(self.peak)} "
                     f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
                     f"({self.seconds / ref_seconds:.2f}x)")
@@ -340,7 +345,7 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                              ) from None
         result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
-                      notes=list(notes), outside=found.outside)
+                      notes=list(notes), outside=found.outside, overhead=overhead)
         if measure is None or (skip is not None and (found.choices, found.outside) == skip):
             return result
         verified = measure(result)

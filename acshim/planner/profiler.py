@@ -41,6 +41,7 @@ from torch import nn
 from .. import structures
 from ..measure import default_loss
 from ..region_state import region_inputs
+from ..storage.reaper import REAPER
 from .choices import SharedOffload, install_outside, is_offload
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
@@ -120,7 +121,8 @@ class RegionProfiler:
         for site in self.session.sites:
             site.captured = None
         self.copies = Copies()
-        gc.collect(1)  # profiling's own garbage is young: a full collection costs 0.1-0.3 s here
+        gc.collect()
+        REAPER.settle(timeout=10.0)  # tier slots and read buffers of dead handles: freed on another thread
         trim()
 
     def step(self, tracker: LiveBytes | None = None, backward: bool = True) -> None:
@@ -146,6 +148,7 @@ class RegionProfiler:
         self.session._shared = {}
         self.root.zero_grad(set_to_none=True)
         gc.collect()
+        REAPER.settle(timeout=10.0)
         trim()
 
     # ---------------------------------------------------------------------------------- 1. count
@@ -321,6 +324,7 @@ class RegionProfiler:
         if offload is not None:
             session._shared[offload.storage] = offload
         found = None
+        REAPER.settle(timeout=10.0)  # what the last measurement's copies held: released, not counted here
         try:
             found = measure_choice(functools.partial(_run_as, session, site, choice), args, kwargs,
                                    flags, excluded_keys(self.root, (args, kwargs)),

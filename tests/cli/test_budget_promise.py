@@ -165,7 +165,7 @@ def test_the_same_plan_idle_and_with_a_core_kept_busy(tmp_path: Path) -> None:
     for busy in (False, True):
         loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
         try:
-            done = _run(tmp_path, HF_LOOP, "8x384x2", "256", budget="0.25", extra=("--plan-file", f"plan{busy}.json"),
+            done = _run(tmp_path, HF_LOOP, "8x384x2", "256", budget="0.3", extra=("--plan-file", f"plan{busy}.json"),
                         verb="plan")
         finally:
             if loop is not None:
