@@ -91,9 +91,11 @@ class BudgetTooSmall(ValueError):
         error.suggested = (int((no_checkpointing + overhead) * (1 + 2 * cls.MARGIN)) if no_checkpointing
                            else UNMEASURED * stop.used)
         made = f" ({stop.operator} would have made {format_bytes(stop.size)} of output)" if stop.size else ""
+        share = f"{budget} of no checkpointing's peak can be" if isinstance(budget, (float, str)) and \
+            "." in str(budget) and not str(budget).lower().endswith("b") else "allows"
         ValueError.__init__(error, f"one forward of the model, keeping nothing for backward, needs more than the "
-                                   f"budget {budget} of no checkpointing's peak can be: in {stop.what}{made} the "
-                                   f"process would have held {format_bytes(stop.used)} above the step's start")
+                                   f"budget {budget} {share}: in {stop.what}{made} the process would have held "
+                                   f"{format_bytes(stop.used)} above the step's start")
         return error
 
     def __init__(self, budget: int, minimum: int, overhead: int = 0, profile: Profile | None = None) -> None:
