@@ -365,8 +365,11 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
             # with glibc's default settings freed tensors stay in the heap). Scale the target for the
             # activations by that ratio (at most 1.3 at a time: where the heap keeps freed memory the
             # resident set runs ahead of the live bytes early in a step), and 2% more.
-            ratio = min(1.3, max(1.0, (seen - overhead) / max(1, verified.live_at_stop)))
-            target = min(target - unit_of(profile), int(target / ratio) - budget_bytes // 50)
+            if verified.live_at_stop > 0:
+                ratio = min(1.3, max(1.0, (seen - overhead) / verified.live_at_stop))
+                target = min(target - unit_of(profile), int(target / ratio) - budget_bytes // 50)
+            else:  # measured by the process alone: 5% of the budget at a time
+                target -= max(unit_of(profile), budget_bytes // 20)
         else:
             target -= max(seen - accept, unit_of(profile))
     raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "

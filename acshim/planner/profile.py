@@ -274,35 +274,35 @@ def measure_choice(call: Callable[..., Any], args: Any, kwargs: Any, flags: list
                    grads: Callable[[], set[int]], reset: Callable[[], None], offload: SharedOffload | None
                    ) -> ChoiceMeasurement:
     """One block run alone as one choice (``call``), tracked and timed. ``offload``: the shared
-    schedule ``call`` offloads through: then a first run sends its resident window out before
-    backward, as the next offloaded block would (held bytes, transient with the window prefetched
-    back, time, copies to the tier and back), and a second keeps it (the last offloaded block: the
-    window's bytes). The block's transient with the previous block's window being prefetched is
-    its own plus that window."""
-
-    def tracked(flush: Callable[[], None] | None) -> tuple[int, int, RunTime]:
-        reset()
-        tracker = LiveBytes(set(excluded), timed=True)
-        with tracker:
-            with Stopwatch() as watch:
-                block_step(call, args, kwargs, flags, tracker, flush)
-                if offload is not None:
-                    offload.session.raise_write_errors(wait=True)  # its copies' time is part of it
-            tracker.mark("end")
-        series = tracker.series(grads())
-        tracker.release()
-        return series[tracker.marks["forward"] - 1], max(series), RunTime(watch.wall, tracker.own_seconds,
-                                                                          tracker.durations, watch.other_cpu)
-
-    if offload is None:
-        held, peak, run = tracked(None)
-        reset()
-        return ChoiceMeasurement(held, peak - held, 0, run)
-    held, peak_sent, run = tracked(offload.flush)  # a block followed by offloaded blocks
-    held_kept, peak_kept, _ = tracked(None)  # the last offloaded block: its window stays resident
+    schedule ``call`` offloads through: then, when forward ends, the bytes held with the schedule's
+    resident window still there are noted (what the last offloaded block leaves resident: the
+    window) and the window is sent out before backward, as the next offloaded block's saves would:
+    held bytes, transient with the window prefetched back, time, copies to the tier and back, from one
+    run. The block's transient with the previous block's window being prefetched is its own plus
+    that window."""
     reset()
-    window = max(0, held_kept - held)
-    return ChoiceMeasurement(held, max(peak_kept, peak_sent + window) - held, window, run)
+    tracker = LiveBytes(set(excluded), timed=True)
+
+    def send_window() -> None:
+        assert offload is not None
+        tracker.mark("kept")
+        offload.flush()
+
+    with tracker:
+        with Stopwatch() as watch:
+            block_step(call, args, kwargs, flags, tracker, send_window if offload is not None else None)
+            if offload is not None:
+                offload.session.raise_write_errors(wait=True)  # its copies' time is part of it
+        tracker.mark("end")
+    series = tracker.series(grads())
+    tracker.release()
+    reset()
+    held, peak = series[tracker.marks["forward"] - 1], max(series)
+    run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+    if offload is None:
+        return ChoiceMeasurement(held, peak - held, 0, run)
+    window = max(0, series[tracker.marks["kept"] - 1] - held) if tracker.marks["kept"] else 0
+    return ChoiceMeasurement(held, max(peak - held, window), window, run)
 
 
 def block_key(owner: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:

@@ -341,13 +341,16 @@ class RegionProfiler:
 
     # ---------------------------------------------------------------------------------- 4. verify
     def verify(self, choices: list[str], outside: str) -> Verification:
-        """One step under ``choices`` / ``outside``, tracked, timed and measured as the process sees it."""
+        """One step under ``choices`` / ``outside``, timed and measured as the process sees it (by the
+        storage tracker too where the process cannot be read, or ``memory="tensors"``: the tracker
+        would cost this step a tenth of its time for numbers the budget is not about)."""
         session = self.session
         session.mode, session._candidate = "measure", choices
         session._shared = {}
         self.guard.open_window("one step of the model under the candidate plan")
         self.root.zero_grad(set_to_none=True)
-        tracker = LiveBytes(set(self.excluded), timed=True)
+        tracked = not self.memory.available
+        tracker: Any = LiveBytes(set(self.excluded), timed=True) if tracked else _ProcessMarks(self.guard)
         install_outside(self.root, outside, session.prefetch, session._shared)
         session._outside = outside
         stopped = False
@@ -367,18 +370,41 @@ class RegionProfiler:
             session._outside = "keep"
         process_peak = self.guard.window_peak if self.memory.available else None
         if stopped:  # outside the except block: the stopped step's frames are gone with its traceback
-            live = tracker.series(set())[-1] if tracker.events else 0
+            live = tracker.series(set())[-1] if tracked and tracker.events else 0
             tracker.release()
             self._settle()
             return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True, live_at_stop=live)
         session._shared = {}
+        self.root.zero_grad(set_to_none=True)
+        if not tracked:
+            return Verification(tracker.marks["forward"], process_peak or 0, process_peak, watch.wall)
         series = tracker.series(grad_keys(self.root))
         tracker.release()
         run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
         self.times.observe(run.durations)
         seconds = run.estimate(self.times, moves_data=any("offload" in c for c in [*choices, outside]))
-        self.root.zero_grad(set_to_none=True)
         return Verification(series[tracker.marks["forward"] - 1], max(series), process_peak, seconds)
+
+
+class _ProcessMarks:
+    """Stands in for the tracker in a verification measured by the process: ``mark`` notes what the
+    process holds above the step's start."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.marks: dict[str, int] = {}
+
+    def __enter__(self) -> _ProcessMarks:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        pass
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self.guard.used()
+
+    def release(self) -> None:
+        pass
 
 
 def _run_as(session: Any, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:
