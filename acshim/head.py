@@ -79,10 +79,15 @@ class HeadConfig:
     """The head output's shape."""
 
 
+def rows_per_chunk(width: int, itemsize: int, chunk_bytes: int) -> int:
+    """Rows of ``width`` elements in about ``chunk_bytes``: a multiple of ``MIN_ROWS``, at least one."""
+    return max(MIN_ROWS, (chunk_bytes // max(1, width * itemsize)) // MIN_ROWS * MIN_ROWS)
+
+
 def chunk_rows(rows: int, width: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """``(start, end)`` of each chunk of ``rows`` rows of ``width`` elements: about ``chunk_bytes``
     each, a multiple of ``MIN_ROWS`` rows, a short remainder merged into the last chunk."""
-    size = max(MIN_ROWS, (chunk_bytes // max(1, width * itemsize)) // MIN_ROWS * MIN_ROWS)
+    size = rows_per_chunk(width, itemsize, chunk_bytes)
     if rows <= size:
         return [(0, rows)]
     bounds = list(range(0, rows, size))
@@ -508,7 +513,7 @@ def install(model: nn.Module, mode: str = "head", *, chunk_bytes: int = DEFAULT_
         if not _TRL_DEFAULT:
             _TRL_DEFAULT.append(trl.TOKEN_CHUNK_SIZE)
         vocab = head.weight.shape[0] if head is not None else _trl_vocab(model)
-        record.trl_chunk = chunk_rows(1 << 40, vocab, 4, chunk_bytes)[0][1]
+        record.trl_chunk = rows_per_chunk(vocab, 4, chunk_bytes)
         trl.TOKEN_CHUNK_SIZE = record.trl_chunk
     _INSTALLED[id(model)] = record
     return True
@@ -554,7 +559,8 @@ def _fused_by_trl(model: nn.Module) -> bool:
     """TRL's ``add_fused_lm_head`` replaced a forward of ``model`` (or of a module inside it)."""
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if getattr(getattr(forward, "__func__", None), "__name__", "") == "_fused_forward":
+        code = getattr(getattr(forward, "__func__", None), "__code__", None)
+        if code is not None and code.co_name == "_fused_forward":  # functools.wraps renamed the function
             return True
     return False
 
@@ -562,3 +568,22 @@ def _fused_by_trl(model: nn.Module) -> bool:
 def _trl_vocab(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     return int(getattr(config, "vocab_size", 32000) or 32000)
+
+
+def planning_loss(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The loss a planning step of an unchanged script uses: the model's own (``output.loss``, a Hugging
+    Face model given labels), else, for a language model's output (``logits`` of the call's
+    ``input_ids``' shape plus a vocabulary) the next-token cross-entropy a script computes from them
+    (as Hugging Face's loss does: labels shifted, logits viewed), so the plan counts what the
+    script's own loss holds; else ``acshim.measure.default_loss``."""
+    from .measure import default_loss
+
+    loss = getattr(output, "loss", None)
+    logits = getattr(output, "logits", None)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if (not isinstance(loss, torch.Tensor) and isinstance(logits, torch.Tensor) and isinstance(ids, torch.Tensor)
+            and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) and not ids.is_floating_point()
+            and logits.requires_grad):
+        labels = F.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels, ignore_index=-100)
+    return default_loss(output)

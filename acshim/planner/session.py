@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import region as engine
 from .. import structures
-from ..measure import default_loss
+from ..head import planning_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
 from ..storage import no_offload
@@ -43,7 +43,15 @@ from ..wrap import checkpointed_forward_of
 from .agree import agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, install_outside, is_offload
+from .choices import (
+    BASE_CHOICES,
+    SharedOffload,
+    choice_options,
+    expand_choices,
+    install_outside,
+    is_offload,
+    outside_choices,
+)
 from .plan import Plan, solve_within
 from .profile import (
     BlockProfile,
@@ -288,7 +296,7 @@ class PlanSession:
         def step(tracker: LiveBytes | None = None) -> None:
             self.position = 0
             output = root(*root_args, **root_kwargs)
-            loss = default_loss(output)
+            loss = planning_loss(output, root_args, root_kwargs)
             del output
             if tracker is not None:
                 tracker.mark("forward")
@@ -316,9 +324,8 @@ class PlanSession:
             choices.append("recompute")
         # what lies outside the regions, alone (regions replayed): kept, and offloaded per tier
         outside: dict[str, dict[str, float]] = {}
-        parts = ["keep"]
-        if checkpointed_forward_of(root) is None:  # a model that is itself a region has no outside part
-            parts += dict.fromkeys(f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c))
+        # a model that is itself a region has no outside part
+        parts = outside_choices(root, choices) if checkpointed_forward_of(root) is None else ["keep"]
         for part in parts:
             held, peak, seconds = self._outside_alone(root, part, step, excluded)
             outside[part] = {"held": held, "transient": max(0, peak - held), "seconds": seconds}
