@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-RUN_USAGE = ("acshim run [--hf] [--children] [--budget B] [--report] (script.py | -m module | [--] launcher) "
-             "[args...]")
+RUN_USAGE = ("acshim run [--hf] [--children] [--budget B [--png f.png]] [--report] (script.py | -m module | "
+             "[--] launcher) [args...]")
 PLAN_USAGE = "acshim plan --budget B [--sweep] [--png out.png] [--storage host|disk] [--] (script.py | -m module) [args...]"
 RUN_HELP = f"""usage: {RUN_USAGE}
 
@@ -44,6 +44,9 @@ options (before the script; everything after it goes to the script):
               the plan decides about (keep / selective / recompute / offload), planned on its first
               step; one line on stderr says what was replaced. See docs/cli.md.
   --storage T offload tier for --budget plans: host or disk (default: disk on CPU, host on GPU)
+  --png FILE  with --budget: once planned, draw one step's activation memory block by block (no
+              checkpointing, full recompute, the plan, the budget) beside the frontier to FILE
+              (needs matplotlib: pip install 'acshim[plot]')
   --report    at exit, print per region and per dialect forwards, recomputes, bytes held, bytes
               offloaded per tier, prefetch hits and waits, and settings that silently do nothing
   -m module   run a module as `python -m module` does
@@ -110,7 +113,7 @@ _VALUE_OPTIONS = ("--budget", "--storage", "--png")
 
 
 def _parse_run(argv: list[str], verb: str = "run", allowed: tuple[str, ...] = ("--hf", "--children", "--report"),
-               values: tuple[str, ...] = ("--budget", "--storage")
+               values: tuple[str, ...] = _VALUE_OPTIONS
                ) -> tuple[dict[str, Any], str | None, str | None, list[str]] | str:
     """Options up to the script (or ``-m module``); the rest belongs to the script untouched."""
     flags: dict[str, Any] = {"hf": False, "children": False}  # the others only when given
@@ -181,7 +184,9 @@ and exit without training on.
 options (before the script; everything after it goes to the script):
   --budget B     bytes, a size (2GiB, 800MB) or a fraction of the memory without checkpointing (0.3)
   --sweep        also print the memory vs step-time frontier (10 budgets) and uniform recipes
-  --png FILE     with --sweep, plot the frontier to FILE (needs matplotlib: pip install 'acshim[plot]')
+  --png FILE     draw one step's activation memory block by block (no checkpointing, full recompute, the
+                 plan, the budget) beside the frontier to FILE (implies --sweep; needs matplotlib:
+                 pip install 'acshim[plot]')
   --storage T    offload tier: host or disk (default: disk on CPU, host on GPU)
   --hf           also checkpoint every Hugging Face model automatically
   -m module      plan for a module run as `python -m module`
@@ -215,6 +220,10 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
     session = None
     if flags.get("storage") is not None and flags.get("budget") is None:
         print(f"acshim {verb}: --storage chooses the offload tier of a --budget plan; add --budget", file=sys.stderr)
+        return 2
+    if flags.get("png") is not None and flags.get("budget") is None:
+        print(f"acshim {verb}: --png draws a --budget plan's memory (no checkpointing, full recompute, the plan); "
+              "add --budget", file=sys.stderr)
         return 2
     if flags.get("storage") not in (None, "host", "disk"):
         print(f"acshim {verb}: argument --storage: expected host or disk, got {flags.get('storage')!r}", file=sys.stderr)

@@ -284,6 +284,10 @@ class PlanSession:
         lead = _rank() == 0  # every rank has the same plan: one rank says it
         if lead:
             print(self.summary(), file=sys.stderr, flush=True)
+        if lead and self.png and not self.exit_after_plan:
+            from .picture import write_png as write_picture
+
+            print(f"acshim: {write_picture(self.plan, self.png)}", file=sys.stderr, flush=True)
         if self.exit_after_plan:
             self.stop()
             if lead:
@@ -454,7 +458,9 @@ class PlanSession:
         if self.sweep:
             lines += ["", frontier_table(plan)]
             if self.png:
-                lines.append(write_png(plan, self.png))
+                from .picture import write_png as write_picture
+
+                lines.append(write_picture(plan, self.png))
         return "\n".join(lines)
 
 
@@ -488,31 +494,6 @@ def _baseline_point(plan: Plan, choice: str) -> tuple[int, float]:
     assignment = [choice] * len(plan.blocks)
     outside = choice if choice in plan.profile.outside else "keep"
     return plan.profile.peak_of(assignment, outside), plan.profile.seconds_of(assignment, outside)
-
-
-def write_png(plan: Plan, path: str) -> str:
-    """Plot the frontier and the baselines to ``path`` (needs matplotlib: ``pip install acshim[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--png {path}: matplotlib is not installed (pip install 'acshim[plot]'); no figure written"
-    ref_peak, ref_seconds = plan.reference_peak or 1, plan.reference_seconds or 1.0
-    points = plan.frontier()
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot([p.peak / ref_peak for p in points], [p.seconds / ref_seconds for p in points], "o-", label="plan")
-    for label, choice in _baselines(plan.profile):
-        peak, seconds = _baseline_point(plan, choice)
-        axes.plot(peak / ref_peak, seconds / ref_seconds, "s", label=label)
-    axes.set_xlabel("peak activation memory / no checkpointing")
-    axes.set_ylabel("step time / no checkpointing")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return f"wrote {path}"
 
 
 def _counts(choices: list[str]) -> str:

@@ -342,11 +342,23 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
 
 
 def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
-    """``--png`` with the optional 'plot' extra: a PNG of the frontier with the baselines beside it."""
+    """``--png`` with the optional 'plot' extra: one step's memory block by block beside the frontier
+    (``acshim plan``), and the same picture from ``acshim run --budget`` once it has planned."""
     pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from acshim.planner import picture
+
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
     done = _acshim("plan", "--budget", "2MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     png = (tmp_path / "frontier.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert "frontier.png" in done.stdout
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "frontier.png" in done.stdout
+    size = (int(picture.SIZE_INCHES[1] * picture.DPI), int(picture.SIZE_INCHES[0] * picture.DPI))
+    assert matplotlib.image.imread(tmp_path / "frontier.png").shape[:2] == size
+    done = _acshim("run", "--budget", "0.45", "--png", "run.png", str(script), "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "acshim: wrote run.png" in done.stderr and _result(done.stdout)["equal"]
+    assert matplotlib.image.imread(tmp_path / "run.png").shape[:2] == size
+    done = _acshim("run", "--png", "x.png", str(script), cwd=tmp_path)
+    assert done.returncode == 2 and "--png draws a --budget plan's memory" in done.stderr
