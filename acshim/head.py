@@ -86,8 +86,10 @@ def rows_per_chunk(width: int, itemsize: int, chunk_bytes: int) -> int:
 
 def chunk_rows(rows: int, width: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """``(start, end)`` of each chunk of ``rows`` rows of ``width`` elements: about ``chunk_bytes``
-    each, a multiple of ``MIN_ROWS`` rows, a short remainder merged into the last chunk."""
-    size = rows_per_chunk(width, itemsize, chunk_bytes)
+    each and at most an eighth of the rows (so small batches are chunked too), a multiple of
+    ``MIN_ROWS`` rows, a short remainder merged into the last chunk."""
+    eighth = -(-rows // (8 * MIN_ROWS)) * MIN_ROWS
+    size = min(rows_per_chunk(width, itemsize, chunk_bytes), max(MIN_ROWS, eighth))
     if rows <= size:
         return [(0, rows)]
     bounds = list(range(0, rows, size))

@@ -193,6 +193,7 @@ def test_forms_it_does_not_chunk_run_as_torch() -> None:
 def test_chunk_rows_never_below_sixteen_rows() -> None:
     assert head.chunk_rows(10, VOCAB, 4, 1) == [(0, 10)]
     assert head.chunk_rows(40, VOCAB, 4, 1) == [(0, 16), (16, 40)]
+    assert head.chunk_rows(1024, 10, 4, 2**30) == [(s, s + 128) for s in range(0, 1024, 128)]  # an eighth
     chunks = head.chunk_rows(1000, VOCAB, 4, 64 * VOCAB * 4)
     assert chunks[0] == (0, 64) and chunks[-1][1] == 1000 and all(e - s >= 16 for s, e in chunks)
 
