@@ -270,6 +270,56 @@ def test_script_without_regions_under_budget_exits_2(tmp_path: Path) -> None:
     assert "--budget 0.5: the script ran no checkpointed region" in done.stderr
 
 
+ENDINGS = {
+    "sys.exit(main())": "sys.exit(main())",          # main returns None
+    "sys.exit(0)": "main()\nsys.exit(0)",
+    "raise SystemExit": "main()\nraise SystemExit",
+    "falls off the end": "main()",
+}
+
+
+@pytest.mark.parametrize("verb", ["run", "plan"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_script_without_regions_ends_the_same_whichever_way_it_exits(tmp_path: Path, ending: str, verb: str) -> None:
+    """A successful exit (``sys.exit(None)`` / ``sys.exit(0)`` / ``raise SystemExit`` / the end of the
+    file) is the end of the run: nothing was planned, so exit 2 saying so, in every case."""
+    script = _script(tmp_path, "import sys\ndef main():\n    print('trained')\n" + ENDINGS[ending] + "\n")
+    done = _acshim(verb, "--budget", "0.5", str(script), cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "trained" in done.stdout
+    assert f"acshim {verb}: --budget 0.5: the script ran no checkpointed region" in done.stderr
+
+
+def test_script_failing_exit_status_is_kept_under_budget(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import sys\nprint('failed')\nsys.exit(3)\n")
+    done = _acshim("run", "--budget", "0.5", str(script), cwd=tmp_path, timeout=300)
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert "checkpointed region" not in done.stderr  # the script's own failure is its own message
+
+
+PROGRESS_THEN_REFUSED = MODEL + """
+from tqdm import tqdm
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+model = build()
+apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPTBlock))
+for step in tqdm(range(3), mininterval=0):               # its line is unfinished while a step runs
+    train_step(model, ids)
+"""
+
+
+def test_refused_budget_error_starts_its_own_line_and_reports_no_run(tmp_path: Path) -> None:
+    """A budget below the least achievable peak: the error begins a line of its own (not after the
+    script's tqdm bar) and ``--report`` prints nothing about the run that did not happen."""
+    pytest.importorskip("tqdm")
+    script = _script(tmp_path, PROGRESS_THEN_REFUSED)
+    done = _acshim("run", "--report", "--budget", "1KiB", str(script), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.split("\n")  # "\r" (tqdm's redraw) is not a line break on a terminal
+    refused = [line for line in lines if "below the least achievable peak" in line]
+    assert len(refused) == 1 and refused[0].startswith("acshim run: --budget 1KiB:"), done.stderr
+    assert "acshim report" not in done.stderr and "region forwards" not in done.stderr, done.stderr
+
+
 COMPILED = MODEL + """
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.utils.checkpoint import checkpoint
