@@ -50,8 +50,9 @@ options (before the script; everything after it goes to the script):
   -h, --help  show this help
 
 launchers: when the first argument is not a file but an executable on PATH (torchrun, accelerate,
-deepspeed, python ...), it runs as a launcher with child patching on, so every Python rank it
-starts has the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
+deepspeed, python ...), or a path to an executable that is not Python source (/venv/bin/python, a
+shell wrapper), it runs as a launcher with child patching on, so every Python rank it starts has
+the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
 """
 
 
@@ -338,11 +339,38 @@ def _nothing_planned(verb: str, budget: str) -> str:
 
 
 def _launcher_path(name: str | None) -> str | None:
-    """The executable ``name`` names on PATH (``torchrun``, ``accelerate``, ``deepspeed``, ``python``)
-    when it is not a file here: a script that exists always runs as a script, as python would."""
-    if name is None or os.path.exists(name) or os.sep in name or (os.altsep and os.altsep in name):
+    """The launcher ``name`` names, or None for a script to run in this process as python would.
+
+    A word that is not a file here is looked up on ``PATH`` (``torchrun``, ``accelerate``,
+    ``deepspeed``, ``python``). A file (any path, absolute or relative) is a launcher when it is
+    an executable that is not Python source (``/venv/bin/python`` itself, a shell wrapper): python
+    could not run it as a script. Python source - a ``.py`` file, a console script whose ``#!`` line
+    names python, a text file without ``#!``, a zip application - runs as a script."""
+    if name is None:
         return None
+    if os.path.exists(name):
+        return name if _foreign_executable(name) else None
+    if os.sep in name or (os.altsep and os.altsep in name):
+        return None  # a path that does not exist: python's "can't open file"
     return shutil.which(name)
+
+
+def _foreign_executable(path: str) -> bool:
+    """An executable file that is not Python source (see ``_launcher_path``)."""
+    import zipfile
+
+    if not os.path.isfile(path) or not os.access(path, os.X_OK) or path.endswith((".py", ".pyw")):
+        return False
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    if head.startswith(b"#!"):
+        return b"python" not in head.split(b"\n", 1)[0]
+    if zipfile.is_zipfile(path):
+        return False  # a zip application: python runs its __main__.py
+    return b"\0" in head  # a binary (ELF, Mach-O); text without "#!" is source, as python reads it
 
 
 def run_launcher(path: str, argv: list[str], *, hf: bool = False) -> int:
