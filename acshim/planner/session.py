@@ -38,6 +38,7 @@ from .. import structures
 from ..measure import default_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
+from ..region_state import region_inputs
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_measurement, agree_profile
@@ -198,6 +199,9 @@ class PlanSession:
     # ---------------------------------------------------------------------------------- planning
     def _capture(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  options: RegionOptions) -> Any:
+        # the inputs the region runs on: a Hugging Face cache passed in is dropped (region_state), so a
+        # block run alone while profiling never appends to it again (backward through a freed graph)
+        args, kwargs = region_inputs(function, args, kwargs)
         site = self.sites[index] if index < len(self.sites) else None
         if site is None:
             owner = _owning_module(function)

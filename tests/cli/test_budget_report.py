@@ -236,6 +236,59 @@ def test_report_counts_regions_per_dialect_and_finds_nothing_wrong(tmp_path: Pat
     assert "settings that do nothing: none found" in err
 
 
+HF_PATHS = """
+import sys, torch, transformers
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64,
+                                                             n_positions=32, bos_token_id=0, eos_token_id=0)).train()
+path = sys.argv[1]
+if path == "gradient_checkpointing_enable":
+    model.gradient_checkpointing_enable()
+elif path == "checkpoint_wrapper":
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPT2Block))
+elif path == "closure":                                # the custom(module) idiom, one closure per block
+    model.config.use_cache = False                     # a cache captured by the closure would be written twice
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+        def forward(self, hidden, *rest, **kwargs):
+            block = self.block
+            def custom(x):
+                return block(x, *rest, **kwargs)
+            return torch.utils.checkpoint.checkpoint(custom, hidden, use_reentrant=False)
+    for i, block in enumerate(model.transformer.h):
+        model.transformer.h[i] = Checkpointed(block)
+for step in range(2):
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+"""
+
+
+@pytest.mark.parametrize(("path", "flags", "dialect"), [
+    ("gradient_checkpointing_enable", [], "hf"),
+    ("as-built", ["--hf"], "hf"),
+    ("checkpoint_wrapper", [], "torch checkpoint_wrapper"),
+    ("closure", [], "torch.utils.checkpoint"),
+])
+def test_report_names_one_row_per_hf_block_whichever_path_made_it(tmp_path: Path, path: str, flags: list[str],
+                                                                 dialect: str) -> None:
+    """A Hugging Face GPT-2's 4 blocks, checkpointed by its own switch, by --hf, by a dialect's
+    wrapper or by a closure per block: 4 rows named GPT2Block#0..3, and the counts agree with the
+    --budget line's."""
+    pytest.importorskip("transformers")
+    script = _script(tmp_path, HF_PATHS)
+    done = _acshim("run", "--report", "--budget", "0.9", *flags, str(script), path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"replaced 4 region\(s\) \(4 {re.escape(dialect)}: ", done.stderr), done.stderr[-3000:]
+    rows = re.findall(r"^  (\S+)\s+(.+?)\s+(\d+)\s+(\d+)\s+[\d.]+ (?:KiB|MiB)$", done.stderr, re.M)
+    assert [(name, where.strip(), forwards) for name, where, forwards, _ in rows] == [
+        (f"GPT2Block#{i}", dialect, "2") for i in range(4)], done.stderr[-3000:]
+    assert re.search(rf"^  {re.escape(dialect)}\s+4 region\(s\), 8 forwards", done.stderr, re.M), done.stderr[-3000:]
+
+
 def test_report_flags_a_block_checkpointed_twice(tmp_path: Path) -> None:
     script = _script(tmp_path, NESTED_AND_CACHE.replace(
         "for step in range(2):", "acshim.apply_checkpointing(model, 'h.*.fc')\nfor step in range(2):"))
