@@ -238,9 +238,22 @@ def _identity(function: Callable[..., Any]) -> tuple[torch.nn.Module | None, Any
     inner = _unwrapped(function)
     code = getattr(inner, "__code__", None) or id(inner)
     modules, indexes = _captured(function)
+    # a container is keyed by what it holds: checkpoint_sequential's segments capture a ModuleList
+    # sliced anew each step (model.h[2:]), whose blocks are the same
+    members = tuple(id(module) for module in _contents(modules))
     if len(modules) == 1:
-        return modules[0], ("closure", code, id(modules[0]), indexes)
-    return None, ("code", code, tuple(id(module) for module in modules), indexes)
+        return modules[0], ("closure", code, members, indexes)
+    return None, ("code", code, members, indexes)
+
+
+def _contents(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    out = []
+    for module in modules:
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            out += _contents(list(module.children()))
+        else:
+            out.append(module)
+    return out
 
 
 def _captured(function: Callable[..., Any]) -> tuple[list[torch.nn.Module], tuple[int, ...]]:
