@@ -69,11 +69,11 @@ def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: b
         # traced: Dynamo takes this very function for its checkpoint operator (it compares identity with
         # torch.utils.checkpoint.checkpoint); run eagerly for a region Dynamo gave up on: torch's own
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
-    if not _routes.everything and not sys._getframe(1).f_globals.get("__name__", "").startswith(_routes.callers):
-        return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
-    if use_reentrant is None:
+    if use_reentrant is None:  # torch's warning, at the caller's line (torch's own would point here)
         warnings.warn(USE_REENTRANT_WARNING, stacklevel=2)
         use_reentrant = True
+    if not _routes.everything and not sys._getframe(1).f_globals.get("__name__", "").startswith(_routes.callers):
+        return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
     return dropin.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 

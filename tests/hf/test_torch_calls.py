@@ -74,3 +74,7 @@ def test_other_callers_keep_torchs_own_checkpoint(installed_everything) -> None:
     before = STATS.forwards
     out = torch_checkpoint.checkpoint(block, x, use_reentrant=True)
     assert STATS.forwards == before and type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
+    with pytest.warns(UserWarning, match="use_reentrant parameter should be passed explicitly") as caught:
+        out = torch_checkpoint.checkpoint(block, x)  # torch's warning and default, pointing at this line
+    assert [w.filename for w in caught] == [__file__]
+    assert STATS.forwards == before and type(out.grad_fn).__name__ == "CheckpointFunctionBackward"
