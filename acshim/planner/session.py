@@ -38,6 +38,7 @@ from .. import structures
 from ..head import planning_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
+from ..region_state import region_inputs
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_measurement, agree_profile
@@ -124,6 +125,8 @@ class PlanSession:
     _shared: dict[str, SharedOffload] = field(default_factory=dict)
     world: int = 1
     _planned_elements: int = 0
+    _larger_elements: int = 0
+    """Elements of this step's inputs when more than planned on (0 otherwise)."""
     _warned_larger: bool = False
     _copies: Copies = field(default_factory=Copies)
     _outside: str = "keep"
@@ -165,7 +168,10 @@ class PlanSession:
         if choices is None or index >= len(choices) or index >= len(self.sites):
             return run_region_now(function, args, kwargs, RegionOptions())  # more regions than planned: safe
         self.sites[index].calls += 1
-        return self.run_choice(self.sites[index], choices[index], function, args, kwargs)
+        output = self.run_choice(self.sites[index], choices[index], function, args, kwargs)
+        if self._larger_elements and not self._warned_larger:
+            self._warn_in_backward(output)
+        return output
 
     def run_choice(self, site: RegionSite, choice: str, function: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
@@ -193,19 +199,38 @@ class PlanSession:
 
     def _reset_position(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.position = 0
+        self._larger_elements = 0
         if self.mode == "planned" and not self._warned_larger:
             elements = _input_elements(args, kwargs)
             if elements > self._planned_elements > 0:
-                self._warned_larger = True
-                if _rank() == 0:
-                    print(f"acshim: --budget: this step's inputs hold {elements} elements, the step planned on held "
-                          f"{self._planned_elements}: activation memory grows with them, so the plan's peak may "
-                          "exceed the budget (pad batches to one length, or plan on the largest batch first)",
-                          file=sys.stderr, flush=True)
+                self._larger_elements = elements  # said once a backward reaches the step's regions
+
+    def _warn_in_backward(self, output: Any) -> None:
+        """Warn about this step's larger inputs when backward reaches this region's output: a step
+        that runs no backward (evaluation, even with grad enabled) holds nothing for it and is silent."""
+        elements = self._larger_elements
+
+        def warn(_: torch.Tensor) -> None:
+            if self._warned_larger:
+                return
+            self._warned_larger = True
+            if _rank() == 0:
+                print(f"acshim: --budget: this step's inputs hold {elements} elements, the step planned on held "
+                      f"{self._planned_elements}: activation memory grows with them, so the plan's peak may "
+                      "exceed the budget (pad batches to one length, or plan on the largest batch first)",
+                      file=sys.stderr, flush=True)
+
+        for leaf in structures.flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(warn)
+                return
 
     # ---------------------------------------------------------------------------------- planning
     def _capture(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  options: RegionOptions) -> Any:
+        # the inputs the region runs on: a Hugging Face cache passed in is dropped (region_state), so a
+        # block run alone while profiling never appends to it again (backward through a freed graph)
+        args, kwargs = region_inputs(function, args, kwargs)
         site = self.sites[index] if index < len(self.sites) else None
         if site is None:
             owner = _owning_module(function)
