@@ -198,7 +198,8 @@ class _ReentrantSpec:
         self.parameter_groups: list[tuple[region_aliases.Slots, int]] = []
         """Per parameter input: its places and its number of uses (how often it is passed)."""
         self.plain_leaves: list[tuple[torch.Tensor, int]] = []
-        """Other leaves passed after the parameters (a closure's tensors), with their uses."""
+        """Leaves passed after those parameters, aliased per use in torch calls: a closure's
+        tensors, and parameters the forward used more than once; with their uses."""
         self.cpu_rng_state: torch.Tensor | None = None
         self.devices: list[int] = []
         self.device_states: list[torch.Tensor] = []
@@ -264,14 +265,16 @@ class _ReentrantSpec:
         plain: list[torch.Tensor] = []
         for leaf, uses in found:
             places = slots.get(id(leaf))
-            if places is None:
-                if isinstance(leaf, torch.nn.Parameter) and id(leaf) not in referenced:
-                    continue
+            if places is not None and uses == 1:
+                self.parameter_groups.append((places, uses))
+                parameters.append(leaf)
+            elif places is None and isinstance(leaf, torch.nn.Parameter) and id(leaf) not in referenced:
+                continue
+            else:
+                # used several times (a module called twice, spectral norm's weight): one alias per
+                # use, not per read, so that each use's gradient is added as one backward adds it
                 self.plain_leaves.append((leaf, uses))
                 plain += [leaf] * uses
-            else:
-                self.parameter_groups.append((places, uses))
-                parameters += [leaf] * uses
         return (*tensors, *parameters, *plain)
 
     def check_inputs_unchanged(self, saved: tuple[torch.Tensor, ...]) -> None:

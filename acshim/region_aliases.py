@@ -1,27 +1,33 @@
-"""Parameters of a reentrant region: one alias per access during the recompute, gradients out in order.
+"""A reentrant region's leaves during its recompute: one alias per use, gradients out in order.
 
 A reentrant region differentiates its recompute in a backward of its own. If that inner backward
 accumulated into the real parameters, hooks on them (DDP's reducer, optimizer-in-backward) would
-fire inside it, a parameter used by several regions would be accumulated piecemeal, and
-``.grad()``/``backward(inputs=...)`` could not see the region. So the parameters the forward used
-are inputs of the region's ``autograd.Function`` and, while the recompute runs, each read of
-``module.<name>`` returns a fresh alias (same storage, a leaf of its own). The inner backward fills
-the aliases; the region returns one gradient per use, the last use's first, and autograd adds them
-into the parameter's gradient in that order: exactly the sum one backward without checkpointing
-forms, also when two regions each run a shared module twice.
+fire inside it, a parameter used by several regions would be accumulated piecemeal (in another
+grouping than one backward adds them: off in the last bits), and ``.grad()``/``backward(inputs=...)``
+could not see the region. So every leaf the forward's outputs depend on is an input of the region's
+``autograd.Function``, passed once per use (edges into its ``AccumulateGrad`` in the forward's
+graph, ``region_graph.leaf_uses``), and during the recompute each use reads a fresh alias (same
+storage, a leaf of its own). The inner backward fills the aliases; the region returns one
+gradient per use, the last use's first, and autograd adds them into the leaf's gradient in that
+order: exactly the sum one backward without checkpointing forms, also when two regions each run
+a shared module twice.
 
-Other leaves the outputs depend on (a tensor a closure captured, a parameter of a module found
-nowhere) are inputs too, aliased per use while the recompute runs by a ``TorchFunctionMode`` that
-swaps them in the arguments of every torch call (entered only for regions that have such leaves:
-it costs a Python call per operator).
+Two ways to hand out the aliases:
 
-How many uses a leaf has is read off the forward's graph (``region_graph.leaf_uses``: edges into
-its ``AccumulateGrad``). When the recompute's aliases do not map one to one onto those uses (one
-access used twice, say ``w = self.weight; w @ a + w @ b``), the region returns their sum for the
-first use (a sum in another grouping: equal up to rounding).
+- a parameter of the region's modules used once: while the recompute runs, the module's
+  ``_parameters`` is a dict that returns a new alias for each read of ``module.<name>``. Cheap:
+  a Python call per read, nothing per operator. This is the common case (a transformer block).
+- any other leaf (a tensor a closure captured, a parameter used more than once: a module called
+  twice, spectral norm's ``weight_orig``): a ``TorchFunctionMode`` swaps it for a new alias in the
+  arguments of every torch call. It costs a Python call per operator, so it is entered only for
+  regions that have such leaves.
+
+When the recompute's aliases do not map one to one onto the uses (one torch call using a leaf
+twice inside, such as ``nn.MultiheadAttention``'s ``in_proj_weight``), the region returns their
+sum for the first use (a sum in another grouping: equal up to rounding).
 
 Hand-written because ``torch.func.functional_call`` would call the module, which is the region
-itself, and has no notion of one tensor per access.
+itself, and has no notion of one tensor per use.
 """
 
 from __future__ import annotations
