@@ -1,11 +1,15 @@
 """The engine's region: run a callable so that its activations are recomputed in backward.
 
 Non-reentrant regions stand on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; the
-callable is wrapped so the region also restores tracker RNG streams, keeps BatchNorm statistics
-updated once, and exposes ``is_checkpointing()`` / ``is_recomputing()``. Reentrant regions use a
-small ``autograd.Function`` of our own because torch's reentrant ``CheckpointFunction`` ignores
-tensors nested in containers, drops non-tensor outputs' structure and gives parameters no gradient
-when no input requires grad; ours handles all three (flattening with ``acshim.structures``).
+callable is wrapped so the region also restores tracker RNG streams, keeps the state its forward
+changes as the forward saw it for the recompute and updated once (``acshim.region_buffers``), and
+exposes ``is_checkpointing()`` / ``is_recomputing()``. Reentrant regions use a small
+``autograd.Function`` of our own because torch's reentrant ``CheckpointFunction`` ignores tensors
+nested in containers, drops non-tensor outputs' structure, gives parameters no gradient when no
+input requires grad, runs the forward under ``no_grad`` (other kernels) and is invisible to
+``.grad()`` for a closure's weights; ours handles all of them (flattening with
+``acshim.structures``; the forward's leaves with ``acshim.region_graph`` and
+``acshim.region_aliases``).
 """
 
 from __future__ import annotations
