@@ -117,7 +117,7 @@ class BufferSnapshot:
             with outside_selective_modes(), torch.no_grad():
                 for module, name, before in unversioned:
                     clone = self._clones[id(before)]
-                    if clone.device.type != "cpu" or not torch.equal(before, clone):
+                    if clone.device.type != "cpu" or clone.layout != torch.strided or not torch.equal(before, clone):
                         changed.append((module, name, clone))
         for module, names in self._modules:
             buffers = module._buffers
