@@ -310,9 +310,9 @@ def _asks_for_cache(function: Any, kwargs: dict[str, Any]) -> bool:
 
 def _outer_region(function: Callable[..., Any]) -> Callable[..., Any] | None:
     """The callable of the region whose forward is running further up the stack."""
-    from .region import _ReentrantRegion, _RegionCall
+    from .region import _ReentrantSpec, _RegionCall
 
-    codes = {_RegionCall.__call__.__code__: "self", _ReentrantRegion.forward.__code__: "spec"}
+    codes = {_RegionCall.__call__.__code__: "self", _ReentrantSpec.run_forward.__code__: "self"}
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         slot = codes.get(frame.f_code)
