@@ -4,6 +4,7 @@ model parallelism, PyTorch's checkpoint_wrapper, Modalities and Hugging Face."""
 from __future__ import annotations
 
 from . import _quiet_torch  # noqa: F401  (first: torch imported without its NumPy-missing warning)
+from . import exit_settle as _exit_settle
 from ._source_layout import map_source_tree_subpackages
 from .apply import apply_checkpointing, build_options, checkpointed_modules, remove_checkpointing
 from .blocks import find_blocks
@@ -19,6 +20,7 @@ from .wrap import checkpoint_module, uncheckpoint_module
 __version__ = "0.1.0"
 
 map_source_tree_subpackages()
+_exit_settle.register()  # ranks that end right after a collective exit cleanly (see exit_settle)
 
 # Names provided by subpackages that import heavier dependencies, loaded on first access.
 _LAZY = {
@@ -33,7 +35,7 @@ _LAZY = {
 
 
 # Subpackages the documentation names as ``acshim.<name>.…`` after a bare ``import acshim``.
-_SUBPACKAGES = ("selective", "storage", "testing", "hf", "patching", "facades", "backends")
+_SUBPACKAGES = ("selective", "storage", "testing", "hf", "patching", "facades", "backends", "head")
 
 
 def __getattr__(name: str) -> object:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .. import structures
-from ..measure import default_loss
+from ..head import planning_loss
 from ..region_state import region_inputs
 from ..storage.reaper import REAPER
 from .choices import SharedOffload, install_outside, is_offload
@@ -84,7 +84,7 @@ class RegionProfiler:
                  loss_fn: Callable[[Any], torch.Tensor] | None, memory: ProcessMemory, baseline: int,
                  limit: int | None) -> None:
         self.session, self.root, self.args, self.kwargs = session, root, args, kwargs
-        self.loss_fn = loss_fn or default_loss
+        self.loss_fn = loss_fn
         self.memory = memory
         self.guard = Guard(memory, baseline, None if limit is None else _guard_limit(limit))
         self.times = OpTimes()
@@ -129,7 +129,7 @@ class RegionProfiler:
         """One step of the model on the interrupted step's inputs."""
         self.session.position = 0
         output = self.root(*self.args, **self.kwargs)
-        loss = self.loss_fn(output)
+        loss = self.loss_fn(output) if self.loss_fn is not None else planning_loss(output, self.args, self.kwargs)
         del output
         if tracker is not None:
             tracker.mark("forward")

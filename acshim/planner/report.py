@@ -40,31 +40,6 @@ def _baseline_point(plan: Plan, choice: str) -> tuple[int, float]:
     return plan.profile.peak_of(assignment, outside), plan.profile.seconds_of(assignment, outside)
 
 
-def write_png(plan: Plan, path: str) -> str:
-    """Plot the frontier and the baselines to ``path`` (needs matplotlib: ``pip install acshim[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--png {path}: matplotlib is not installed (pip install 'acshim[plot]'); no figure written"
-    ref_peak, ref_seconds = plan.reference_peak or 1, plan.reference_seconds or 1.0
-    points = plan.frontier()
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot([p.peak / ref_peak for p in points], [p.seconds / ref_seconds for p in points], "o-", label="plan")
-    for label, choice in _baselines(plan.profile):
-        peak, seconds = _baseline_point(plan, choice)
-        axes.plot(peak / ref_peak, seconds / ref_seconds, "s", label=label)
-    axes.set_xlabel("peak activation memory / no checkpointing")
-    axes.set_ylabel("step time / no checkpointing")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return f"wrote {path}"
-
-
 def _counts(choices: list[str]) -> str:
     counts: dict[str, int] = {}
     for choice in choices:

@@ -43,14 +43,23 @@ from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, install_outside, is_offload
+from .choices import (
+    BASE_CHOICES,
+    SharedOffload,
+    choice_options,
+    expand_choices,
+    install_outside,
+    outside_choices,
+    split_outside,
+)
 from .estimate import step_peak
 from .feedback import StepTimer
+from .picture import write_png as write_picture
 from .plan import Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
 from .profiler import RegionProfiler, Verification
-from .report import frontier_table, write_png
+from .report import frontier_table
 from .sites import (
     RegionSite,
     describe,
@@ -140,7 +149,8 @@ class PlanSession:
         _check_budget(self.budget)
         check_memory_kind(self.memory)
         expand_choices(self.choices, ("disk",))
-        warm_up(self.choices, self.storage)
+        with _counters_paused():  # the warm-up's tiny layer is not the script's region
+            warm_up(self.choices, self.storage)
         self._memory = ProcessMemory("cpu", enabled=self.memory == "process")
         if baseline_now:
             self._baseline = _fresh_baseline(self._memory)
@@ -271,10 +281,14 @@ class PlanSession:
         if self.plan.outside != "keep":  # type: ignore[union-attr]
             install_outside(root, self.plan.outside, self.prefetch, self._shared)  # type: ignore[union-attr]
             self._outside = self.plan.outside  # type: ignore[union-attr]
-            _offload_rest_of_forward(root, self._shared[self.plan.outside.partition(":")[2]])  # type: ignore[union-attr]
+            offload_part = split_outside(self.plan.outside)[0]  # type: ignore[union-attr]
+            if offload_part != "keep":
+                _offload_rest_of_forward(root, self._shared[offload_part.partition(":")[2]])
         lead = rank() == 0 and not self.api  # every rank has the same plan: one rank says it
         if lead:
             print(self.summary(), file=sys.stderr, flush=True)
+        if lead and self.png and not self.exit_after_plan:
+            print(f"acshim: {write_picture(self.plan, self.png)}", file=sys.stderr, flush=True)
         if self.exit_after_plan:
             self.stop()
             if lead:
@@ -379,9 +393,8 @@ class PlanSession:
         if "recompute" not in choices:
             choices.append("recompute")
         # 2. the part outside the regions, alone (regions replayed): kept, and offloaded per tier
-        parts = ["keep"]
-        if checkpointed_forward_of(root) is None:  # a model that is itself a region has no outside part
-            parts += dict.fromkeys(f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c))
+        # (a model that is itself a region has no outside part)
+        parts = outside_choices(root, choices) if checkpointed_forward_of(root) is None else ["keep"]
         outside = {part: profiler.outside(part) for part in parts}
         kept = outside.pop("keep")
         if limit is None and fraction is not None and kept["held"] < INFEASIBLE:
@@ -529,7 +542,7 @@ class PlanSession:
         if self.sweep:
             lines += ["", frontier_table(plan)]
             if self.png:
-                lines.append(write_png(plan, self.png))
+                lines.append(write_picture(plan, self.png))
         return "\n".join(lines)
 
 

@@ -99,7 +99,7 @@ def site_names(root: nn.Module, sites: list[RegionSite]) -> list[str]:
 
 
 def device_of(module: nn.Module) -> torch.device:
-    return next(module.parameters(), torch.empty(0)).device
+    return next((parameter.device for parameter in module.parameters()), torch.device("cpu"))  # allocates nothing
 
 
 def sharded_by(root: nn.Module | None) -> str | None:

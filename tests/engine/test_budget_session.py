@@ -201,6 +201,9 @@ def test_larger_inputs_than_planned_are_planned_again_before_they_run(session_cl
     larger = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         model(larger)  # evaluation: no backward, nothing planned, nothing said
+    model.eval()
+    model(larger)  # nor in eval mode with grad enabled
+    model.train()
     assert session.replans == 0 and capsys.readouterr().err == ""
     expected = train_step(_model(), larger, seed=3)
     assert_bitwise_equal(expected, train_step(model, larger, seed=3))
