@@ -9,6 +9,7 @@ can be measured on a CPU. ``backend_for`` picks by device.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -19,6 +20,14 @@ from .simulated import SimulatedBackend, TransferRecord
 
 _lock = threading.Lock()
 _shared: dict[torch.device, Backend] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def backend_for(device: torch.device) -> Backend:
