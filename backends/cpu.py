@@ -36,9 +36,9 @@ def write_from(tier: Tier, holder: list[torch.Tensor]) -> Any:
     return write_keeping_data(tier, holder.pop())
 
 
-def read_after_write(tier: Tier, written: Future[Any], pin_memory: bool = False) -> torch.Tensor:
+def read_after_write(tier: Tier, written: Future[Any]) -> torch.Tensor:
     """Wait for the write that produced the slot (on this worker), then read the slot back."""
-    return tier.read(written.result(), pin_memory)
+    return tier.read(written.result())
 
 
 def free_when_written(tier: Tier, written: Future[Any]) -> None:
@@ -100,7 +100,7 @@ class CpuBackend(Backend):
     def __init__(self, workers: int = 2) -> None:
         self._pool = WorkerPool(workers)
 
-    def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
+    def copy_out(self, data: torch.Tensor, tier: Tier, ready: Any = None) -> Ticket:
         future = self._pool.submit(write_from, tier, [data])
         return Ticket(nbytes=data.numel(), device=data.device, pending=future)
 

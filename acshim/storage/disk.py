@@ -246,14 +246,19 @@ class DiskTier:
             raise
         return slot
 
-    def read(self, slot: FileSlot, pin_memory: bool = False) -> torch.Tensor:
+    def read(self, slot: FileSlot) -> torch.Tensor:
+        """The slot's bytes in a new CPU tensor."""
+        out = aligned_empty(slot.nbytes) if slot.file.direct else torch.empty(slot.nbytes, dtype=torch.uint8)
+        return self.read_into(slot, out)
+
+    def read_into(self, slot: FileSlot, out: torch.Tensor) -> torch.Tensor:
+        """Read the slot into ``out`` (1-D ``uint8``; page-aligned and at least ``padded(nbytes)``
+        long when the file is ``O_DIRECT``, as a staging region is); returns its first bytes."""
         if slot.file.direct:
-            out = aligned_empty(slot.nbytes, pin_memory)
-            self.io.read(slot.file.fd, out, slot.offset, True)
-            return out[:slot.nbytes]
-        out = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-        self.io.read(slot.file.fd, out, slot.offset, False)
-        return out
+            self.io.read(slot.file.fd, out[:padded(slot.nbytes)], slot.offset, True)
+        else:
+            self.io.read(slot.file.fd, out[:slot.nbytes], slot.offset, False)
+        return out[:slot.nbytes]
 
     def free(self, slot: FileSlot) -> None:
         """Free a slot: later slots reuse its range, and a freed tail goes back to the filesystem

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
+from ..backends.pinned import install_settle
+
 _log = logging.getLogger(__name__)
 
 
@@ -82,3 +84,4 @@ class Reaper:
 
 REAPER = Reaper()
 os.register_at_fork(after_in_child=REAPER._forked)
+install_settle(REAPER.settle)  # pinned pools let releases of dead graphs land before growing

@@ -124,8 +124,20 @@ class OffloadActivations:
         if exc_type is None:
             session.forward_end()
             return
-        with contextlib.suppress(OffloadIOError):  # forward failed: its exception is the one to see
-            session.forward_end()  # but let the copies finish, so the files are freed with the graph
+        finish_after_failure(session, exc)
+
+
+def finish_after_failure(session: OffloadSession, exc: BaseException | None) -> None:
+    """Forward failed: let its copies out finish (so their files are freed with the graph), keeping
+    the user's exception the one raised. A failed write is dropped (its tensor is kept in memory); any
+    other error met while waiting (a CUDA error: maybe the failure's own cause, reported again) is
+    attached to the user's exception as a note."""
+    try:
+        session.forward_end()
+    except Exception as error:  # whatever it is, the forward's own error is the one to see
+        if exc is not None and not isinstance(error, OffloadIOError):
+            exc.add_note(f"acshim offload: while waiting for this forward's copies after the error: "
+                         f"{type(error).__name__}: {error}")
 
 
 def offload(storage: str | None = None, prefetch: int | None = None, directory: str | None = None,
