@@ -41,6 +41,10 @@ from .runtime import CudaRuntime, TorchCudaRuntime
 
 DEFAULT_STAGING_BYTES = 64 << 20
 """Disk tier: most bytes of pinned staging in use at once (forward waits for a region beyond it)."""
+STAGING_SLAB_BYTES = 8 << 20
+"""Disk tier: staging grows by at least this much. How many copies wait for the disk at once depends
+on thread timing, not only on the schedule; slabs this large absorb that, so a steady state pins
+nothing new (the host tier's pool, whose regions are the tier itself, grows by need only)."""
 
 
 class Ready:
@@ -63,7 +67,8 @@ class CudaBackend(Backend):
         self._h2d = self.runtime.Stream(self.device)
         self.host_pool = PinnedPool(self.runtime.pin)
         """The host tier's slots."""
-        self.staging = PinnedPool(self.runtime.pin, alignment=ALIGNMENT, capacity=staging_bytes)
+        self.staging = PinnedPool(self.runtime.pin, alignment=ALIGNMENT, capacity=staging_bytes,
+                                  min_slab=min(STAGING_SLAB_BYTES, staging_bytes))
         """The disk tier's staging regions (aligned for O_DIRECT, bounded)."""
         self._io = WorkerPool(workers)
 

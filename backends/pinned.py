@@ -13,10 +13,10 @@ pytorch issue 86097). So the CUDA backend never pins per copy: it takes regions 
   disk tier's staging: back-pressure on forward when the disk is slower than the GPU); a request
   larger than the capacity is served when nothing else is in use, so nothing waits forever.
 
-Frees arrive from the release thread (``storage.reaper``) moments after a graph dies; before growing,
-``take`` lets pending releases land (``settle``: by default whatever the storage tier installed with
-``install_settle``), so a step starting right after the previous backward finds the regions it
-used, not new ones.
+Frees arrive from the release thread (``storage.reaper``) moments after a graph dies; ``take`` first
+lets pending releases land (``settle``: by default whatever the storage tier installed with
+``install_settle``, a no-op when nothing is pending), so a step starting right after the previous
+backward finds the regions it used, in the same places, and no new ones.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class PoolStats:
     pinned_bytes: int = 0
     in_use_bytes: int = 0
     """Bytes of regions handed out (each rounded up to the alignment)."""
+    peak_in_use_bytes: int = 0
     requested_bytes: int = 0
     """Bytes asked for by the regions handed out."""
     peak_requested_bytes: int = 0
@@ -107,17 +108,19 @@ class PinnedPool:
     """Regions of pinned host memory. Thread-safe.
 
     Args:
-        pin: allocates ``n`` bytes of pinned memory (``CudaRuntime.pin``).
+        pin: allocates ``n`` bytes of pinned, page-aligned memory (``CudaRuntime.pin``).
         alignment: every region starts at a multiple of this address (4096 for ``O_DIRECT`` I/O).
         capacity: most bytes in use at once before ``take`` blocks (None: unbounded).
         growth: a new slab is at least this fraction of the pool (the most it can overshoot).
+        min_slab: a new slab is at least this many bytes.
         settle: called (without the lock) before growing, to let pending frees land (None: never).
     """
 
     def __init__(self, pin: Callable[[int], torch.Tensor], alignment: int = 64, capacity: int | None = None,
-                 growth: float = 1 / 32, settle: Callable[[], object] | None = settle_pending_frees) -> None:
+                 growth: float = 1 / 32, settle: Callable[[], object] | None = settle_pending_frees,
+                 min_slab: int = 0) -> None:
         self._pin, self.alignment, self.capacity = pin, alignment, capacity
-        self.growth, self._settle = growth, settle
+        self.growth, self._settle, self.min_slab = growth, settle, min_slab
         self._slabs: list[_Slab] = []
         self._changed = threading.Condition(threading.Lock())
         self.stats = PoolStats()
@@ -125,6 +128,8 @@ class PinnedPool:
     def take(self, nbytes: int, block: bool = True) -> Region:
         """A region of at least ``nbytes``; ``block``: wait while the capacity is used up."""
         size = max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+        if self._settle is not None:
+            self._settle()  # frees already queued land first: the same regions as last step, not others
         settled = False
         with self._changed:
             while True:
@@ -142,12 +147,15 @@ class PinnedPool:
                     self._settle()
                 finally:
                     self._changed.acquire()
-            slab = _Slab(self._pin(max(size + self.alignment, int(self.stats.pinned_bytes * self.growth))))
+            grown = max(size, int(self.stats.pinned_bytes * self.growth), self.min_slab)
+            slab = _Slab(self._pin(-(-grown // self.alignment) * self.alignment))
             self._slabs.append(slab)
             self.stats.allocations += 1
             self.stats.pinned_bytes += slab.size
             region = self._carve(size, nbytes)
-            assert region is not None
+            if region is None:
+                raise RuntimeError(f"acshim offload: pinned memory at {slab.address:#x} is not aligned to "
+                                   f"{self.alignment} bytes (the runtime's pin() must return page-aligned memory)")
             return region
 
     def _carve(self, size: int, nbytes: int) -> Region | None:
@@ -156,6 +164,7 @@ class PinnedPool:
             if offset is not None:
                 stats = self.stats
                 stats.in_use_bytes += size
+                stats.peak_in_use_bytes = max(stats.peak_in_use_bytes, stats.in_use_bytes)
                 stats.requested_bytes += nbytes
                 stats.peak_requested_bytes = max(stats.peak_requested_bytes, stats.requested_bytes)
                 return Region(slab, offset, size, nbytes)

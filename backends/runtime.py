@@ -9,6 +9,7 @@ backend's stream ordering is tested on a machine without a GPU.
 
 from __future__ import annotations
 
+import mmap
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -29,7 +30,7 @@ class CudaRuntime(Protocol):
     def stream(self, stream: Any) -> AbstractContextManager[Any]: ...
 
     def pin(self, nbytes: int) -> torch.Tensor: ...
-    """``nbytes`` of page-locked host memory as a 1-D ``uint8`` tensor, exactly that size."""
+    """``nbytes`` of page-locked, page-aligned host memory as a 1-D ``uint8`` tensor."""
 
     def unpin(self, tensor: torch.Tensor) -> None: ...
 
@@ -60,7 +61,8 @@ class TorchCudaRuntime:
         return torch.cuda.stream(stream)
 
     def pin(self, nbytes: int) -> torch.Tensor:
-        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        # An anonymous mapping: page-aligned (O_DIRECT reads land in it) and exactly nbytes long.
+        tensor = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
         error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
         if error != 0:
             raise RuntimeError(f"acshim offload: page-locking {nbytes} bytes of host memory failed (cudaError "
