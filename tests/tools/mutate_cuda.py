@@ -32,7 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = Path("backends/cuda.py")
 SYNC = re.compile(r"\.(wait_stream|wait_event|synchronize)\(|record_stream\(")
-COPIED = ("acshim", "backends", "csrc", "compat_matrix", "tests", "setup.py", "pyproject.toml")
+COPIED = ("acshim", "backends", "csrc", "compat_matrix", "tests", "benchmarks", "examples", "docs", "README.md",
+          "setup.py", "pyproject.toml")
 
 
 def mutations(source: str) -> list[tuple[int, str]]:
