@@ -1,4 +1,6 @@
-"""The transfer backends behind one interface: copy out, copy in, done, wait, release."""
+"""The transfer backends behind one interface: copy out, copy in, done, wait, release. The CPU
+backend and the latency-only ``SimulatedBackend`` here; the CUDA backend runs on the simulated CUDA
+runtime in test_simulated_cuda.py (and on a real GPU in test_cuda.py, ``pytest -m cuda``)."""
 
 from __future__ import annotations
 
