@@ -19,28 +19,32 @@ import torch
 class CudaRuntime(Protocol):
     """What ``CudaBackend`` needs from CUDA (names as ``torch.cuda``'s where it has them)."""
 
-    def Stream(self, device: torch.device) -> Any: ...
-    """A new stream with ``wait_event``, ``wait_stream``, ``synchronize`` and ``query``."""
+    def Stream(self, device: torch.device) -> Any:
+        """A new stream with ``wait_event``, ``wait_stream``, ``synchronize`` and ``query``."""
 
-    def Event(self) -> Any: ...
-    """A new event with ``record(stream)``, ``synchronize`` and ``query``."""
+    def Event(self) -> Any:
+        """A new event with ``record(stream)``, ``synchronize`` and ``query``."""
 
-    def current_stream(self, device: torch.device) -> Any: ...
+    def current_stream(self, device: torch.device) -> Any:
+        """The calling thread's current stream on ``device``."""
 
-    def stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+    def stream(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make ``stream`` current inside the block (this thread)."""
 
-    def pin(self, nbytes: int) -> torch.Tensor: ...
-    """``nbytes`` of page-locked, page-aligned host memory as a 1-D ``uint8`` tensor."""
+    def pin(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of page-locked, page-aligned host memory as a 1-D ``uint8`` tensor."""
 
-    def unpin(self, tensor: torch.Tensor) -> None: ...
+    def unpin(self, tensor: torch.Tensor) -> None:
+        """Give back memory from ``pin``."""
 
-    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor: ...
-    """A 1-D ``uint8`` device tensor, allocated on the current stream."""
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A 1-D ``uint8`` device tensor, allocated on the current stream."""
 
-    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None: ...
-    """``destination.copy_(source, non_blocking=True)`` on the current stream."""
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """``destination.copy_(source, non_blocking=True)`` on the current stream."""
 
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor.record_stream(stream)``: its memory is not reused before ``stream``'s work."""
 
 
 class TorchCudaRuntime:

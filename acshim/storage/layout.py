@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .residents import lives_anyway
+from .residents import frozen_or_buffer
 
 WHOLE_STORAGE_FRACTION = 0.75
 """A view whose span covers at least this fraction of its storage moves the whole storage."""
@@ -51,7 +51,7 @@ def to_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     span = span_elements(tensor)
     offset = tensor.storage_offset()
     size = tensor.element_size()
-    whole = tensor.untyped_storage().nbytes() // size
+    whole = 0 if torch.compiler.is_compiling() else tensor.untyped_storage().nbytes() // size  # fake storages
     if span < whole and span >= WHOLE_STORAGE_FRACTION * whole:
         flat = tensor.detach().as_strided((whole,), (1,), 0).view(torch.uint8)
         return flat, Layout(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device,
@@ -78,6 +78,8 @@ def view_layout(tensor: torch.Tensor, moved: Layout) -> Layout | None:
 def from_bytes(data: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Rebuild the saved tensor from its moved bytes (``data``: 1-D ``uint8``, same device)."""
     typed = data[:layout.nbytes].view(layout.dtype)
+    if not layout.offset:  # (the same ops as ever: torch.compile's alias replay handles exactly these)
+        return typed.as_strided(layout.shape, layout.stride)
     return typed.as_strided(layout.shape, layout.stride, typed.storage_offset() + layout.offset)
 
 
@@ -94,4 +96,9 @@ def movable(tensor: torch.Tensor, min_bytes: int) -> bool:
         return False
     if tensor.device.type == "meta" or tensor.is_conj() or tensor.is_neg() or nbytes(tensor) < max(min_bytes, 1):
         return False
-    return not lives_anyway(tensor)
+    base = tensor._base if tensor._base is not None else tensor
+    if base.is_leaf and base.requires_grad:
+        return False
+    # While torch.compile traces the hooks, fake tensors answer neither check reliably: its graph
+    # saves what its compiler chose, and parameters are told apart as above.
+    return torch.compiler.is_compiling() or not frozen_or_buffer(base)

@@ -3,11 +3,13 @@
 Moving one of them frees nothing (the module keeps it) and copies it every layer, every step: the
 ``weight.t()`` a LoRA-frozen linear saves, the running statistics a frozen (eval-mode) BatchNorm
 saves, a causal-mask or rotary buffer sliced into every layer. Parameters are recognised by type
-(``nn.Parameter``) or as leaves that require grad. Buffers carry no mark, so while an offload session
-lives a module forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``,
-torch's global hook) notes the buffers of every module called (a region's boundary inputs are
-sliced from buffers before its scope is entered, so noting only inside scopes would miss them); the
-hook is removed when the last session is gone: a process that offloads nothing pays nothing.
+(``nn.Parameter``) or as leaves that require grad. Buffers carry no mark, so inside an ``offload()``
+block a module forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``,
+torch's global hook) notes the buffers of every module called; the hook is removed when the last
+block exits, so nothing is paid (and no global hook is seen) outside offloaded forwards. Noted
+buffers stay known while they live, so a view of a buffer passed into a checkpointed region
+(``boundary_offload``, whose scope starts after its parent sliced it) stays too once a forward
+under ``offload()`` has called that parent; otherwise it is moved (it works, it only copies).
 """
 
 from __future__ import annotations
@@ -63,12 +65,10 @@ class _Buffers:
 
 
 BUFFERS = _Buffers()
-"""Each offload session calls ``BUFFERS.enter()`` when made and ``exit()`` when gone."""
+"""``offload()`` blocks call ``BUFFERS.enter()`` / ``exit()`` around their forwards (they nest)."""
 
 
-def lives_anyway(tensor: torch.Tensor) -> bool:
-    """True if ``tensor`` is (a view of) a parameter, frozen or not, or of a noted module buffer."""
-    base = tensor._base if tensor._base is not None else tensor
-    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
-        return True
-    return not base.requires_grad and base in BUFFERS
+def frozen_or_buffer(base: torch.Tensor) -> bool:
+    """True if ``base`` (a tensor that is not a view) is a frozen parameter or a noted module
+    buffer. Trainable parameters (leaves that require grad) are ``movable``'s own first check."""
+    return isinstance(base, torch.nn.Parameter) or (not base.requires_grad and base in BUFFERS)

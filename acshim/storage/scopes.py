@@ -16,6 +16,7 @@ from .defaults import check_directory_argument, check_flag, get_defaults, valida
 from .disk import DiskTier, check_directory
 from .errors import OffloadIOError
 from .host import HostTier
+from .residents import BUFFERS
 from .session import OffloadSession, OffloadStats, _opt_out, _recorders
 from .versions import keep, unpack_kept
 
@@ -112,7 +113,12 @@ class OffloadActivations:
     def __enter__(self) -> OffloadActivations:
         session = self.options.session(self._tier, per_tensor_groups=True)
         hooks = saved_tensors_hooks(session.pack, session.unpack)
-        hooks.__enter__()
+        BUFFERS.enter()  # note the buffers of the modules this forward calls: they stay
+        try:
+            hooks.__enter__()
+        except BaseException:
+            BUFFERS.exit()
+            raise
         self._active.append((session, hooks))
         self.session = session
         return self
@@ -120,7 +126,10 @@ class OffloadActivations:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         session, hooks = self._active.pop()
-        hooks.__exit__(exc_type, exc, traceback)
+        try:
+            hooks.__exit__(exc_type, exc, traceback)
+        finally:
+            BUFFERS.exit()
         if exc_type is None:
             session.forward_end()
             return

@@ -26,7 +26,6 @@ from ..backends.base import Ticket, Tier
 from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes, view_layout
 from .reaper import REAPER
-from .residents import BUFFERS
 from .scheduler import PrefetchScheduler
 from .versions import modified_error, version_probe
 
@@ -157,8 +156,6 @@ class OffloadSession:
         self._last: weakref.ref[StoredTensor] | None = None
         """The most recent handle moving bytes (see ``_already_moving``)."""
         self._lock = threading.RLock()
-        BUFFERS.enter()  # note module buffers (they stay) while this session lives
-        REAPER.watch(self, BUFFERS.exit)
         _notify_recorders(self)
 
     # ---------------------------------------------------------------------------------- forward
@@ -231,7 +228,7 @@ class OffloadSession:
         entry = self._seen.get(id(base))
         handle = entry[1]() if entry is not None and entry[0]() is base else None
         if handle is None or handle.version != tensor._version:
-            handle = self._last_moved()
+            handle = None if torch.compiler.is_compiling() else self._last_moved()  # no storages while tracing
             if handle is None or handle.modified() or not _same_storage(handle.source(), tensor):
                 return None
         source = handle.source()
