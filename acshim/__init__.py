@@ -33,7 +33,7 @@ _LAZY = {
 
 
 # Subpackages the documentation names as ``acshim.<name>.…`` after a bare ``import acshim``.
-_SUBPACKAGES = ("selective", "storage", "testing", "hf", "patching", "facades", "backends")
+_SUBPACKAGES = ("selective", "storage", "testing", "hf", "patching", "facades", "backends", "head")
 
 
 def __getattr__(name: str) -> object:

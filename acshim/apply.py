@@ -101,8 +101,12 @@ def _require_module(function: str, model: Any) -> None:
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:
-    """Undo ``apply_checkpointing`` everywhere in ``model``; returns the names restored."""
+    """Undo ``apply_checkpointing`` everywhere in ``model`` (and a plan's ``acshim.head`` choice);
+    returns the names restored."""
+    from . import head
+
     _require_module("remove_checkpointing", model)
+    head.remove(model)
     return [name for name, module in model.named_modules() if _unapply(module)]
 
 

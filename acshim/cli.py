@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-RUN_USAGE = ("acshim run [--hf] [--children] [--budget B] [--report] (script.py | -m module | [--] launcher) "
-             "[args...]")
+RUN_USAGE = ("acshim run [--hf] [--children] [--budget B [--png f.png]] [--report] (script.py | -m module | "
+             "[--] launcher) [args...]")
 PLAN_USAGE = "acshim plan --budget B [--sweep] [--png out.png] [--storage host|disk] [--] (script.py | -m module) [args...]"
 RUN_HELP = f"""usage: {RUN_USAGE}
 
@@ -44,14 +44,18 @@ options (before the script; everything after it goes to the script):
               the plan decides about (keep / selective / recompute / offload), planned on its first
               step; one line on stderr says what was replaced. See docs/cli.md.
   --storage T offload tier for --budget plans: host or disk (default: disk on CPU, host on GPU)
+  --png FILE  with --budget: once planned, draw one step's activation memory block by block (no
+              checkpointing, full recompute, the plan, the budget) beside the frontier to FILE
+              (needs matplotlib: pip install 'acshim[plot]')
   --report    at exit, print per region and per dialect forwards, recomputes, bytes held, bytes
               offloaded per tier, prefetch hits and waits, and settings that silently do nothing
   -m module   run a module as `python -m module` does
   -h, --help  show this help
 
 launchers: when the first argument is not a file but an executable on PATH (torchrun, accelerate,
-deepspeed, python ...), it runs as a launcher with child patching on, so every Python rank it
-starts has the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
+deepspeed, python ...), or a path to an executable that is not Python source (/venv/bin/python, a
+shell wrapper), it runs as a launcher with child patching on, so every Python rank it starts has
+the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
 """
 
 
@@ -110,7 +114,7 @@ _VALUE_OPTIONS = ("--budget", "--storage", "--png")
 
 
 def _parse_run(argv: list[str], verb: str = "run", allowed: tuple[str, ...] = ("--hf", "--children", "--report"),
-               values: tuple[str, ...] = ("--budget", "--storage")
+               values: tuple[str, ...] = _VALUE_OPTIONS
                ) -> tuple[dict[str, Any], str | None, str | None, list[str]] | str:
     """Options up to the script (or ``-m module``); the rest belongs to the script untouched."""
     flags: dict[str, Any] = {"hf": False, "children": False}  # the others only when given
@@ -181,7 +185,9 @@ and exit without training on.
 options (before the script; everything after it goes to the script):
   --budget B     bytes, a size (2GiB, 800MB) or a fraction of the memory without checkpointing (0.3)
   --sweep        also print the memory vs step-time frontier (10 budgets) and uniform recipes
-  --png FILE     with --sweep, plot the frontier to FILE (needs matplotlib: pip install 'acshim[plot]')
+  --png FILE     draw one step's activation memory block by block (no checkpointing, full recompute, the
+                 plan, the budget) beside the frontier to FILE (implies --sweep; needs matplotlib:
+                 pip install 'acshim[plot]')
   --storage T    offload tier: host or disk (default: disk on CPU, host on GPU)
   --hf           also checkpoint every Hugging Face model automatically
   -m module      plan for a module run as `python -m module`
@@ -215,6 +221,10 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
     session = None
     if flags.get("storage") is not None and flags.get("budget") is None:
         print(f"acshim {verb}: --storage chooses the offload tier of a --budget plan; add --budget", file=sys.stderr)
+        return 2
+    if flags.get("png") is not None and flags.get("budget") is None:
+        print(f"acshim {verb}: --png draws a --budget plan's memory (no checkpointing, full recompute, the plan); "
+              "add --budget", file=sys.stderr)
         return 2
     if flags.get("storage") not in (None, "host", "disk"):
         print(f"acshim {verb}: argument --storage: expected host or disk, got {flags.get('storage')!r}", file=sys.stderr)
@@ -267,11 +277,14 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
         else:
             run_script(script, args)
     except PlanExit as done:
-        if done.message:
-            print(done.message, file=sys.stderr)
-        return done.code
-    except (SystemExit, KeyboardInterrupt):
-        raise  # python's own handling gives the exit status
+        return _plan_exit(done)
+    except SystemExit as exiting:
+        if not _succeeded(exiting):
+            raise  # python's own handling gives the exit status
+        # sys.exit(), sys.exit(0), raise SystemExit: the script ended as falling off its end does,
+        # and the run ends the same way (checks below included)
+    except KeyboardInterrupt:
+        raise
     except BaseException as error:
         filename = os.path.abspath(script) if script is not None else None
         trimmed = script_traceback(error, filename)
@@ -287,28 +300,86 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
             unroute_torch_checkpoint()
     if session is not None and session.mode == "idle":
         session.stop()
-        from .compiled import compiled_graphs
-
-        if compiled_graphs():
-            print(f"acshim {verb}: --budget {flags.get('budget')}: the script compiles its model (torch.compile), and "
-                  "regions traced by Dynamo become torch's checkpoint operator, which no plan made while the script "
-                  "runs can change; plan eagerly before compiling: plan = acshim.plan(model, batch, budget=...); "
-                  "plan.apply(model); model = torch.compile(model)", file=sys.stderr)
-            return 2
-        print(f"acshim {verb}: --budget {flags.get('budget')}: the script ran no checkpointed region with grad enabled, "
-              "so there was nothing to plan; checkpoint its blocks in any dialect (torch.utils.checkpoint, "
-              "torch checkpoint_wrapper, DeepSpeed, FairScale, gradient_checkpointing_enable(), acshim.apply_checkpointing) or add --hf "
-              "for transformers models", file=sys.stderr)
-        return 2
+        return _run_error(2, _nothing_planned(verb, str(flags.get("budget"))))
     return 0
 
 
+def _succeeded(exiting: SystemExit) -> bool:
+    """Whether python would exit with status 0 for this ``SystemExit`` (None, 0 or False)."""
+    return exiting.code is None or (isinstance(exiting.code, int) and exiting.code == 0)
+
+
+def _plan_exit(done: Any) -> int:
+    """The end of a run the plan stopped inside its first step: 0 after ``acshim plan``; otherwise a
+    refusal (the budget cannot be met, a sharded model...): the message, and no report of the run
+    that did not happen."""
+    if done.code != 0:
+        from .patching.runner import withhold_report
+
+        withhold_report()
+    if done.message:
+        return _run_error(done.code, done.message)
+    return done.code
+
+
+def _run_error(code: int, message: str) -> int:
+    """End the run with acshim's own error ``message``: on a line of its own on stderr, and in the error
+    file a launcher's failure summary reads (torchrun, accelerate launch)."""
+    from .patching.runner import print_error_line, record_rank_message
+
+    print_error_line(message)
+    if code != 0:
+        record_rank_message(message)
+    return code
+
+
+def _nothing_planned(verb: str, budget: str) -> str:
+    from .compiled import compiled_graphs
+
+    if compiled_graphs():
+        return (f"acshim {verb}: --budget {budget}: the script compiles its model (torch.compile), and regions traced "
+                "by Dynamo become torch's checkpoint operator, which no plan made while the script runs can change; "
+                "plan eagerly before compiling: plan = acshim.plan(model, batch, budget=...); plan.apply(model); "
+                "model = torch.compile(model)")
+    return (f"acshim {verb}: --budget {budget}: the script ran no checkpointed region with grad enabled, so there was "
+            "nothing to plan; checkpoint its blocks in any dialect (torch.utils.checkpoint, torch checkpoint_wrapper, "
+            "DeepSpeed, FairScale, gradient_checkpointing_enable(), acshim.apply_checkpointing) or add --hf for "
+            "transformers models")
+
+
 def _launcher_path(name: str | None) -> str | None:
-    """The executable ``name`` names on PATH (``torchrun``, ``accelerate``, ``deepspeed``, ``python``)
-    when it is not a file here: a script that exists always runs as a script, as python would."""
-    if name is None or os.path.exists(name) or os.sep in name or (os.altsep and os.altsep in name):
+    """The launcher ``name`` names, or None for a script to run in this process as python would.
+
+    A word that is not a file here is looked up on ``PATH`` (``torchrun``, ``accelerate``,
+    ``deepspeed``, ``python``). A file (any path, absolute or relative) is a launcher when it is
+    an executable that is not Python source (``/venv/bin/python`` itself, a shell wrapper): python
+    could not run it as a script. Python source - a ``.py`` file, a console script whose ``#!`` line
+    names python, a text file without ``#!``, a zip application - runs as a script."""
+    if name is None:
         return None
+    if os.path.exists(name):
+        return name if _foreign_executable(name) else None
+    if os.sep in name or (os.altsep and os.altsep in name):
+        return None  # a path that does not exist: python's "can't open file"
     return shutil.which(name)
+
+
+def _foreign_executable(path: str) -> bool:
+    """An executable file that is not Python source (see ``_launcher_path``)."""
+    import zipfile
+
+    if not os.path.isfile(path) or not os.access(path, os.X_OK) or path.endswith((".py", ".pyw")):
+        return False
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    if head.startswith(b"#!"):
+        return b"python" not in head.split(b"\n", 1)[0]
+    if zipfile.is_zipfile(path):
+        return False  # a zip application: python runs its __main__.py
+    return b"\0" in head  # a binary (ELF, Mach-O); text without "#!" is source, as python reads it
 
 
 def run_launcher(path: str, argv: list[str], *, hf: bool = False) -> int:

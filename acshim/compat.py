@@ -154,12 +154,24 @@ def render_markdown(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_TEXT_LEGEND = (
+    "acshim compatibility matrix: every upstream name acshim covers, grouped by dialect; per row the "
+    "upstream name, its status against upstream and why. Status: same = behaves as upstream (gradients "
+    "bitwise equal on CPU); better = same API, fixes an upstream defect or holds less memory; partial = "
+    "works within the stated limit; not yet = gives a clear error or a documented limit. The test proving "
+    "each row: acshim compat --markdown (or compat_matrix/README.md).")
+
+
 def render_text(rows: list[Row], width: int | None = None) -> str:
-    """A plain aligned table (name, status, reason), lines cut to ``width`` when given."""
+    """A plain aligned table under a legend and a header naming the columns (upstream name, status,
+    why), lines cut to ``width`` when given."""
+    import textwrap
+
     if not rows:
         return "(no rows)\n"
     name_width = min(max(len(r.name) for r in rows), 64)
-    out = []
+    out = textwrap.wrap(_TEXT_LEGEND, min(width or 100, 100))
+    out += ["", f"  {'upstream name':<{name_width}}  {'status':<8}  why"]
     for dialect in ordered_dialects(rows):
         out.append(f"{dialect}")
         for row in rows:

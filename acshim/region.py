@@ -1,11 +1,15 @@
 """The engine's region: run a callable so that its activations are recomputed in backward.
 
 Non-reentrant regions stand on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; the
-callable is wrapped so the region also restores tracker RNG streams, keeps BatchNorm statistics
-updated once, and exposes ``is_checkpointing()`` / ``is_recomputing()``. Reentrant regions use a
-small ``autograd.Function`` of our own because torch's reentrant ``CheckpointFunction`` ignores
-tensors nested in containers, drops non-tensor outputs' structure and gives parameters no gradient
-when no input requires grad; ours handles all three (flattening with ``acshim.structures``).
+callable is wrapped so the region also restores tracker RNG streams, keeps the state its forward
+changes as the forward saw it for the recompute and updated once (``acshim.region_buffers``), and
+exposes ``is_checkpointing()`` / ``is_recomputing()``. Reentrant regions use a small
+``autograd.Function`` of our own because torch's reentrant ``CheckpointFunction`` ignores tensors
+nested in containers, drops non-tensor outputs' structure, gives parameters no gradient when no
+input requires grad, runs the forward under ``no_grad`` (other kernels) and is invisible to
+``.grad()`` for a closure's weights; ours handles all of them (flattening with
+``acshim.structures``; the forward's leaves with ``acshim.region_graph`` and
+``acshim.region_aliases``).
 """
 
 from __future__ import annotations
@@ -13,18 +17,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import compiled, region_state, rng, selective, structures
-from .batchnorm import running_stats_frozen
+from . import compiled, region_aliases, region_buffers, region_graph, region_state, rng, selective, structures
 from .options import DEFAULT_OPTIONS, RegionOptions
-from .state import _flag, enable_checkpointing, enable_recomputing, state
+from .region_modules import region_modules
+from .state import _flag, disable_checkpointing, enable_checkpointing, enable_recomputing, state
 
 TORCH_CHECKPOINT = torch_checkpoint.checkpoint
 """torch's own ``checkpoint``, bound at import: the engine always calls this one, so routing the
@@ -120,14 +123,18 @@ class _RegionCall:
         self.calls = 0
         self.tracker_states = rng.capture_tracker_states() if options.preserve_rng_state else []
 
+        self.buffer_changes: list[region_buffers.Change] | None = None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         observer = self.options.observer
         if self.calls == 1:
             STATS.forward(self.function)
             _notify(observer, "forward_start", self.function)
-            with enable_checkpointing():
+            modules = region_modules(self.function, args, kwargs)
+            with region_buffers.watching(modules) as buffers, enable_checkpointing():
                 output = self.function(*args, **kwargs)
+            self.buffer_changes = buffers.changes()
             _notify(observer, "forward_end", self.function)
             return output
         with contextlib.ExitStack() as stack:
@@ -135,7 +142,7 @@ class _RegionCall:
                 stack.enter_context(rng.restored_tracker_states(self.tracker_states))
             stack.enter_context(_flag("is_checkpointing", False))
             stack.enter_context(enable_recomputing())
-            stack.enter_context(_batchnorm_guard(self.function))
+            stack.enter_context(region_buffers.as_the_forward_saw_them(self.buffer_changes))
             STATS.recompute(self.function)
             _notify(observer, "recompute_start", self.function)
             # torch stops an early-stopped recompute with an exception: report the end regardless
@@ -167,14 +174,17 @@ def _run_non_reentrant(
 
 
 # --------------------------------------------------------------------------------------------------
-# reentrant: our own autograd.Function
+# reentrant: the forward runs first, as without checkpointing (grad enabled, nothing saved); our
+# autograd.Function then connects the outputs to everything they depend on and recomputes in its
+# backward
 
 
 class _ReentrantSpec:
-    """What the Function needs besides the input tensors, and what the caller needs afterwards."""
+    """One reentrant region call: what its Function needs besides the saved input tensors."""
 
-    __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "rebuild_output",
-                 "output_leaves", "output_positions", "probe", "parameter_slots")
+    __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "output_positions",
+                 "outputs", "changed_inputs", "buffer_changes", "parameter_groups", "plain_leaves",
+                 "device_type", "cpu_rng_state", "devices", "device_states", "tracker_states", "autocast")
 
     def __init__(self, function: Callable[..., Any], options: RegionOptions, leaves: list[Any],
                  rebuild_inputs: structures.Rebuild, positions: list[int]) -> None:
@@ -183,14 +193,21 @@ class _ReentrantSpec:
         self.leaves = leaves
         self.rebuild_inputs = rebuild_inputs
         self.positions = positions
-        self.rebuild_output: structures.Rebuild | None = None
-        self.output_leaves: list[Any] = []
         self.output_positions: list[int] = []
-        self.probe = False
-        """Run the forward with grad enabled (saving nothing) to learn whether any output depends
-        on a tensor that requires grad; a region none of whose outputs does needs no backward."""
-        self.parameter_slots: list[list[tuple[torch.nn.Module, str]]] = []
-        """Where each trainable parameter handed to the Function lives (tied ones: several places)."""
+        """Where the outputs that require grad (the Function's outputs) sit among the output leaves."""
+        self.outputs: list[torch.Tensor] = []
+        self.changed_inputs: list[tuple[int, int]] = []
+        """(input index, version before the forward) of inputs the forward changed in place."""
+        self.buffer_changes: list[region_buffers.Change] | None = None
+        self.parameter_groups: list[tuple[region_aliases.Slots, int]] = []
+        """Per parameter input: its places and its number of uses (how often it is passed)."""
+        self.plain_leaves: list[tuple[torch.Tensor, int]] = []
+        """Leaves passed after those parameters, aliased per use in torch calls: a closure's
+        tensors, and parameters the forward used more than once; with their uses."""
+        self.cpu_rng_state: torch.Tensor | None = None
+        self.devices: list[int] = []
+        self.device_states: list[torch.Tensor] = []
+        self.tracker_states: list[Any] = []
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -198,6 +215,83 @@ class _ReentrantSpec:
             leaves[position] = tensor
         args, kwargs = self.rebuild_inputs(leaves)
         return self.function(*args, **kwargs)
+
+    def capture(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """RNG (CPU, device, tracker streams) and autocast state as the forward starts."""
+        self.device_type = _device_type_of(tensors)
+        if self.options.preserve_rng_state:
+            self.cpu_rng_state = torch.get_rng_state()
+            if self.device_type != "cpu" and torch_checkpoint._get_device_module(self.device_type)._initialized:
+                self.devices, self.device_states = torch_checkpoint.get_device_states(*tensors)
+            self.tracker_states = rng.capture_tracker_states()
+        self.autocast = _autocast_contexts(self.device_type)
+
+    def run_forward(self, tensors: tuple[torch.Tensor, ...], modules: list[torch.nn.Module]
+                    ) -> tuple[Any, int, list[torch.nn.Module]]:
+        """The forward as without checkpointing (grad enabled: the same kernels), keeping no saved
+        tensor. Regions nested in it are plain calls (they become regions in the recompute).
+        Returns the output, the first node number of its graph and the modules it ran."""
+        STATS.forward(self.function)
+        _notify(self.options.observer, "forward_start", self.function)
+        versions = _versions(tensors)
+        with region_buffers.watching(modules) as buffers, enable_checkpointing(), disable_checkpointing(), \
+                region_graph.saving_nothing():
+            since = region_graph.next_node_number()
+            output = self.call(tensors)
+        self.buffer_changes = buffers.changes()
+        self.changed_inputs = [(i, v) for i, (t, v) in enumerate(zip(tensors, versions))
+                               if v >= 0 and t._version != v]
+        _notify(self.options.observer, "forward_end", self.function)
+        return output, since, modules or buffers.modules()
+
+    def connect(self, outputs: list[torch.Tensor], since: int, tensors: tuple[torch.Tensor, ...],
+                modules: list[torch.nn.Module], referenced: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The Function's inputs: the input tensors, then every leaf the outputs depend on (the
+        parameters of the region's modules, then other leaves such as a closure's tensors) once per
+        use. Their gradients leave backward as the Function's, accumulated once by autograd where
+        data-parallel wrappers see them (DDP's unused-parameter search finds them in the graph; its
+        hooks fire once), and ``.grad()``/``inputs=`` reach the region and get torch's reentrant
+        error instead of a silently missing gradient.
+
+        A parameter found only in the graph (neither in the region's modules nor referenced by its
+        callable) is left to the inner backward: some other code manages it, like FSDP2's unsharded
+        parameters, which its module hooks put in place for each forward and whose gradients it
+        expects by the end of the module's backward."""
+        passed = {id(t) for t in tensors}
+        found = [entry for key, entry in region_graph.leaf_uses(outputs, since).items() if key not in passed]
+        if not all(region_aliases.aliasable(leaf) for leaf, _ in found):
+            # A framework-managed parameter (ZeRO-3, FSDP1 flat parameters: their data and shape
+            # change through module hooks): the region keeps torch's inner path, every leaf's
+            # gradient accumulates in the inner backward.
+            return tensors
+        slots = region_aliases.parameter_slots(modules) if found and modules else {}
+        parameters: list[torch.Tensor] = []
+        plain: list[torch.Tensor] = []
+        for leaf, uses in found:
+            places = slots.get(id(leaf))
+            if places is not None and uses == 1:
+                self.parameter_groups.append((places, uses))
+                parameters.append(leaf)
+            elif places is None and isinstance(leaf, torch.nn.Parameter) and id(leaf) not in referenced:
+                continue
+            else:
+                # used several times (a module called twice, spectral norm's weight): one alias per
+                # use, not per read, so that each use's gradient is added as one backward adds it
+                self.plain_leaves.append((leaf, uses))
+                plain += [leaf] * uses
+        return (*tensors, *parameters, *plain)
+
+    def check_inputs_unchanged(self, saved: tuple[torch.Tensor, ...]) -> None:
+        """torch's in-place error when the forward changed an input: the recompute would start
+        from the changed values (torch's reentrant checkpoint recomputes from them silently)."""
+        for index, expected in self.changed_inputs:
+            from .storage.versions import modified_error
+
+            raise modified_error(saved[index], expected)
+
+
+def _versions(tensors: tuple[torch.Tensor, ...]) -> list[int]:
+    return [-1 if t.is_inference() else t._version for t in tensors]
 
 
 def _device_type_of(tensors: tuple[torch.Tensor, ...]) -> str:
@@ -222,76 +316,55 @@ def _autocast_contexts(device_type: str) -> list[dict[str, Any]]:
 class _ReentrantRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: _ReentrantSpec, dummy: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
-        options = spec.options
-        tensors = inputs[:len(inputs) - len(spec.parameter_slots)]  # the rest: parameters, not saved
         ctx.spec = spec
-        ctx.device_type = _device_type_of(tensors)
-        if options.preserve_rng_state:
-            ctx.cpu_rng_state = torch.get_rng_state()
-            ctx.devices, ctx.device_states = [], []
-            if ctx.device_type != "cpu" and torch_checkpoint._get_device_module(ctx.device_type)._initialized:
-                ctx.devices, ctx.device_states = torch_checkpoint.get_device_states(*tensors)
-            ctx.tracker_states = rng.capture_tracker_states()
-        ctx.autocast = _autocast_contexts(ctx.device_type)
-
-        STATS.forward(spec.function)
-        _notify(options.observer, "forward_start", spec.function)
-        with enable_checkpointing(), _probing(spec.probe):
-            output = spec.call(tensors)
-        _notify(options.observer, "forward_end", spec.function)
-
-        leaves, spec.rebuild_output = structures.flatten(output)
-        spec.output_positions = structures.tensor_positions(leaves)
-        frozen = spec.probe and not any(leaves[i].requires_grad for i in spec.output_positions)
-        # Proven frozen: no output reaches a tensor that requires grad, so backward would only
-        # recompute for nothing. Keep no inputs and make every output non-differentiable.
-        ctx.save_for_backward(*(() if frozen else tensors))
-        # Return fresh aliases: a tensor that existed before the call (a module constant, an input)
-        # would otherwise be rewired to this node in place and recurse into it during backward.
-        for i in spec.output_positions:
-            leaves[i] = leaves[i].detach()
-        spec.output_leaves = leaves
-        outputs = tuple(leaves[i] for i in spec.output_positions)
-        ctx.mark_non_differentiable(*[t for t in outputs if frozen or not (t.is_floating_point() or t.is_complex())])
-        return outputs if outputs else torch.empty(0)
+        ctx.set_materialize_grads(False)  # an output with no gradient adds nothing (not zeros) inside
+        ctx.save_for_backward(*inputs[:len(spec.positions)])  # the rest: parameters and leaves, not saved
+        outputs, spec.outputs = spec.outputs, []  # the spec must not keep outputs alive
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         spec: _ReentrantSpec = ctx.spec
         options = spec.options
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(options.grad_error_message or REENTRANT_GRAD_ERROR)
         saved = ctx.saved_tensors
+        spec.check_inputs_unchanged(saved)
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
-        rng_devices = getattr(ctx, "devices", [])
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(
-                devices=rng_devices, enabled=options.preserve_rng_state, device_type=ctx.device_type))
-            if options.preserve_rng_state:
-                torch.set_rng_state(ctx.cpu_rng_state)
-                if rng_devices:
-                    torch_checkpoint.set_device_states(rng_devices, ctx.device_states, device_type=ctx.device_type)
-                stack.enter_context(rng.restored_tracker_states(ctx.tracker_states))
-            for autocast_kwargs in ctx.autocast:
-                stack.enter_context(torch.autocast(**autocast_kwargs))
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(enable_recomputing())
-            stack.enter_context(_batchnorm_guard(spec.function))
-            aliases = stack.enter_context(_parameter_aliases(spec.parameter_slots))
-            STATS.recompute(spec.function)
-            _notify(options.observer, "recompute_start", spec.function)
-            output = spec.call(inputs)
-        _notify(options.observer, "recompute_end", spec.function)
+        # The aliases stay in place through the inner backward: a non-reentrant region nested in
+        # this one recomputes there and must read them too.
+        with region_aliases.aliases_per_access(spec.parameter_groups) as records, \
+                region_aliases.aliases_per_use(spec.plain_leaves) as plain_records:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.random.fork_rng(
+                    devices=spec.devices, enabled=options.preserve_rng_state, device_type=spec.device_type))
+                if options.preserve_rng_state:
+                    torch.set_rng_state(spec.cpu_rng_state)
+                    if spec.devices:
+                        torch_checkpoint.set_device_states(spec.devices, spec.device_states,
+                                                           device_type=spec.device_type)
+                    stack.enter_context(rng.restored_tracker_states(spec.tracker_states))
+                for autocast_kwargs in spec.autocast:
+                    stack.enter_context(torch.autocast(**autocast_kwargs))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(enable_recomputing())
+                stack.enter_context(region_buffers.as_the_forward_saw_them(spec.buffer_changes))
+                STATS.recompute(spec.function)
+                _notify(options.observer, "recompute_start", spec.function)
+                output = spec.call(inputs)
+            _notify(options.observer, "recompute_end", spec.function)
 
-        leaves, _ = structures.flatten(output)
-        outputs = [leaves[i] for i in structures.tensor_positions(leaves)]
-        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        _notify(options.observer, "backward_end", spec.function)
+            leaves, _ = structures.flatten(output)
+            pairs = [(leaves[i], g) for i, g in zip(spec.output_positions, grads)
+                     if g is not None and leaves[i].requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            _notify(options.observer, "backward_end", spec.function)
         # ctx.spec stays: a second backward (retain_graph=True) recomputes again, as torch's does.
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
-        return (None, None, *input_grads, *(alias.grad if alias is not None else None for alias in aliases))
+        return (None, None, *input_grads,
+                *region_aliases.gradients(records, [uses for _, uses in spec.parameter_groups]),
+                *region_aliases.gradients(plain_records, [uses for _, uses in spec.plain_leaves]))
 
 
 def _run_reentrant(
@@ -304,29 +377,30 @@ def _run_reentrant(
     # storage tier's saved_tensors_hooks can move them.
     opaque = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     spec = _ReentrantSpec(function, options, opaque, rebuild, positions)
-    # Without an input that requires grad, autograd would never call backward and the region's
-    # parameters would get no gradient (torch's reentrant defect); an empty leaf that requires grad
-    # keeps the region in the graph, as FairScale does. A frozen module (fairscale PR #787: no
-    # recompute for frozen regions) may still reach trainable tensors: a module passed as an
-    # argument, weights that are views of a parent's flat parameter. So "frozen" is never assumed
-    # from its parameters; the forward probes it (grad enabled, nothing saved) and only a region
-    # whose outputs provably need no gradient skips backward.
-    # The owning module's trainable parameters are inputs of the Function: their gradients leave
-    # backward as the Function's gradients, accumulated once by autograd where data-parallel
-    # wrappers see them (DDP's unused-parameter search finds them in the graph; its hooks fire once).
-    parameters, spec.parameter_slots = _trainable_parameter_slots(_owning_module(function), tensors)
-    dummy = None
-    if not parameters and not any(t.requires_grad for t in tensors):
-        dummy = torch.empty(0, requires_grad=True)
-        spec.probe = not _may_have_trainable_parameters(function)
-    results = _ReentrantRegion.apply(spec, dummy, *tensors, *parameters)
-    out_leaves, spec.output_leaves = spec.output_leaves, []  # the ctx must not keep outputs alive
-    if spec.output_positions:
-        if isinstance(results, torch.Tensor):
-            results = (results,)
-        for position, tensor in zip(spec.output_positions, results):
-            out_leaves[position] = tensor
-    return spec.rebuild_output(out_leaves)
+    spec.capture(tensors)
+    referenced: dict[int, torch.Tensor] = {}
+    output, since, modules = spec.run_forward(tensors, region_modules(function, args, kwargs, referenced))
+    out_leaves, rebuild_output = structures.flatten(output)
+    del output
+    spec.output_positions = [i for i in structures.tensor_positions(out_leaves) if out_leaves[i].requires_grad]
+    if not spec.output_positions:
+        # No output needs a gradient (a frozen region with no trainable input or closure tensor,
+        # fairscale PR #787): nothing is kept for backward and nothing recomputed.
+        return rebuild_output(out_leaves)
+    outputs = [out_leaves[i] for i in spec.output_positions]
+    inputs = spec.connect(outputs, since, tensors, modules, referenced)
+    # Fresh aliases: a tensor that existed before the call (a module constant, an input) would
+    # otherwise be rewired to this node in place and recurse into it during backward.
+    spec.outputs = [o.detach() for o in outputs]
+    del outputs
+    # Torch's reentrant checkpoint gives parameters no gradient when no input requires grad; here
+    # parameters are inputs. Only outputs that depend on nothing but a closure's non-leaf tensors
+    # need an empty leaf that requires grad to keep the region in the graph, as FairScale does.
+    dummy = None if any(t.requires_grad for t in inputs) else torch.empty(0, requires_grad=True)
+    results = _ReentrantRegion.apply(spec, dummy, *inputs)
+    for position, tensor in zip(spec.output_positions, results):
+        out_leaves[position] = tensor
+    return rebuild_output(out_leaves)
 
 
 def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
@@ -335,101 +409,6 @@ def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
         function = function.func
     owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
     return owner if isinstance(owner, torch.nn.Module) else None
-
-
-def _may_have_trainable_parameters(function: Callable[..., Any]) -> bool:
-    """False when ``function`` is a module none of whose parameters requires grad (a candidate for
-    the frozen probe); unknown callables are assumed to reach parameters."""
-    owner = _owning_module(function)
-    return owner is None or any(p.requires_grad for p in owner.parameters())
-
-
-def _trainable_parameter_slots(
-    owner: torch.nn.Module | None, inputs: tuple[torch.Tensor, ...]
-) -> tuple[list[torch.Tensor], list[list[tuple[torch.nn.Module, str]]]]:
-    """The trainable parameters of ``owner`` (not already region inputs) and, for each, the
-    (submodule, name) places that hold it."""
-    if owner is None:
-        return [], []
-    passed = {id(t) for t in inputs}
-    index: dict[int, int] = {}
-    parameters: list[torch.Tensor] = []
-    slots: list[list[tuple[torch.nn.Module, str]]] = []
-    for module in owner.modules():
-        for name, parameter in module._parameters.items():
-            if parameter is None or not parameter.requires_grad or id(parameter) in passed:
-                continue
-            if not _aliasable(parameter):
-                return [], []  # a framework-managed parameter: the whole region keeps the inner path
-            position = index.setdefault(id(parameter), len(parameters))
-            if position == len(parameters):
-                parameters.append(parameter)
-                slots.append([])
-            slots[position].append((module, name))
-    return parameters, slots
-
-
-def _aliasable(parameter: torch.Tensor) -> bool:
-    """False for parameters whose framework swaps their data through module hooks (ZeRO-3's
-    partitioned parameters, FSDP1's flat parameters): an alias in their place during the recompute
-    would escape those hooks. Their gradients accumulate in the inner backward, as torch's
-    reentrant checkpoint does."""
-    return not (hasattr(parameter, "ds_id") or getattr(parameter, "_is_flat_param", False))
-
-
-@contextlib.contextmanager
-def _parameter_aliases(slots: list[list[tuple[torch.nn.Module, str]]]) -> Iterator[list[torch.Tensor | None]]:
-    """For the recompute, put a detached alias (same storage, a leaf that requires grad) in each
-    parameter's places, so the inner backward accumulates into the alias and the real parameter
-    gets its gradient once, from the outer graph. Hand-written because torch.func.functional_call
-    would call the module, which is the region itself."""
-    aliases: list[torch.Tensor | None] = []
-    previous: list[tuple[torch.nn.Module, str, Any]] = []
-    try:
-        for places in slots:
-            current = [module._parameters.get(name) for module, name in places]
-            if any(parameter is None for parameter in current):
-                # A wrapper moved it since forward (FSDP1 with use_orig_params swaps parameters
-                # for plain views in backward): it gets its gradient in the inner backward.
-                aliases.append(None)
-                continue
-            alias = current[0].detach().requires_grad_(True)
-            aliases.append(alias)
-            for (module, name), parameter in zip(places, current):
-                previous.append((module, name, parameter))
-                module._parameters[name] = alias
-        yield aliases
-    finally:
-        for module, name, parameter in reversed(previous):
-            module._parameters[name] = parameter
-
-
-def _discard_saved(_: torch.Tensor) -> None:
-    return None
-
-
-def _never_unpacked(_: None) -> torch.Tensor:
-    raise RuntimeError("acshim: a frozen-region probe's graph was used in backward")  # unreachable
-
-
-def _probing(enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    """Grad enabled, every saved tensor dropped: outputs tell whether they require grad while the
-    probe holds no activation (its graph dies with the detached outputs)."""
-    if not enabled:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.enable_grad())
-    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_discard_saved, _never_unpacked))
-    return stack
-
-
-def _batchnorm_guard(function: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
-    """The BatchNorm statistics guard for a recompute, skipped for a module known to hold no
-    BatchNorm (the guard's global hook slows every module call of the recompute)."""
-    owner = _owning_module(function)
-    if owner is not None and not any(isinstance(m, _BatchNorm) for m in owner.modules()):
-        return contextlib.nullcontext()
-    return running_stats_frozen()
 
 
 def _notify(observer: Any, event: str, region: Callable[..., Any]) -> None:

@@ -81,6 +81,8 @@ class RegionRecorder:
         owner, key = _identity(function)
         entry = self.entries.get(key)
         if entry is None and create:
+            # the block's class and its index among the regions of that class, whichever API made
+            # the region (a dialect's wrapper, a Hugging Face switch, --hf, a closure around the block)
             label = type(owner).__name__ if owner is not None else _short_qualname(_unwrapped(function))
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
@@ -225,13 +227,63 @@ def _unwrapped(function: Any) -> Any:
 
 
 def _identity(function: Callable[..., Any]) -> tuple[torch.nn.Module | None, Any]:
+    """The module a region runs (None for a plain function) and the key of its row: one row per
+    module; for a closure (DeepSpeed's ``custom(module)`` idiom, a group of layers) one row per code
+    and the modules and indexes it captured, so each block's closure is its own region."""
     from .region import _owning_module
 
     owner = _owning_module(function)
     if owner is not None:
         return owner, ("module", id(owner))
     inner = _unwrapped(function)
-    return None, ("code", getattr(inner, "__code__", None) or id(inner))
+    code = getattr(inner, "__code__", None) or id(inner)
+    modules, indexes = _captured(function)
+    # a container is keyed by what it holds: checkpoint_sequential's segments capture a ModuleList
+    # sliced anew each step (model.h[2:]), whose blocks are the same
+    members = tuple(id(module) for module in _contents(modules))
+    if len(modules) == 1:
+        return modules[0], ("closure", code, members, indexes)
+    return None, ("code", code, members, indexes)
+
+
+def _contents(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    out = []
+    for module in modules:
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            out += _contents(list(module.children()))
+        else:
+            out.append(module)
+    return out
+
+
+def _captured(function: Callable[..., Any]) -> tuple[list[torch.nn.Module], tuple[int, ...]]:
+    """The modules (also inside a list or tuple) and the integers a callable carries: a partial's
+    arguments, a closure's cells and a function's defaults, in order, modules once each."""
+    values: list[Any] = []
+    while hasattr(function, "func") and hasattr(function, "keywords"):
+        values += [*function.args, *function.keywords.values()]
+        function = function.func
+    values += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
+               if _cell_filled(cell)]
+    values += list(getattr(function, "__defaults__", None) or ())
+    modules: dict[int, torch.nn.Module] = {}
+    indexes: list[int] = []
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, torch.nn.Module):
+                modules.setdefault(id(item), item)
+            elif isinstance(item, int) and not isinstance(item, bool) and item is value:
+                indexes.append(item)
+    return list(modules.values()), tuple(indexes)
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
 
 
 def _input_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -258,9 +310,9 @@ def _asks_for_cache(function: Any, kwargs: dict[str, Any]) -> bool:
 
 def _outer_region(function: Callable[..., Any]) -> Callable[..., Any] | None:
     """The callable of the region whose forward is running further up the stack."""
-    from .region import _ReentrantRegion, _RegionCall
+    from .region import _ReentrantSpec, _RegionCall
 
-    codes = {_RegionCall.__call__.__code__: "self", _ReentrantRegion.forward.__code__: "spec"}
+    codes = {_RegionCall.__call__.__code__: "self", _ReentrantSpec.run_forward.__code__: "self"}
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         slot = codes.get(frame.f_code)

@@ -202,3 +202,42 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def write_finetuning_fixture(directory: str, *, vocab: int = 32000, hidden: int = 128, layers: int = 4,
+                             rows: int = 16, words: int = 63, seed: int = 0) -> dict[str, str]:
+    """A fine-tuning set-up on disk, as a Hugging Face script expects to load it, with nothing
+    downloaded: a tiny random-weight ``LlamaForCausalLM`` (``layers`` x ``hidden``, a vocabulary of
+    ``vocab``, untied head) with a word-level tokenizer in ``model/``, and ``data/train.jsonl`` /
+    ``data/test.jsonl`` of ``rows`` texts of ``words`` random words each (every row the same token
+    count). Returns the paths: ``{"model": ..., "data": ...}``."""
+    import json
+    import os
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model_dir, data_dir = os.path.join(directory, "model"), os.path.join(directory, "data")
+    os.makedirs(model_dir, exist_ok=True)
+    os.makedirs(data_dir, exist_ok=True)
+    specials = ["<unk>", "<pad>", "<s>", "</s>"]
+    table = {token: index for index, token in enumerate(specials)}
+    table.update({f"w{i}": i for i in range(len(specials), vocab)})
+    word_level = Tokenizer(models.WordLevel(table, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>",
+                                                     pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(model_dir)
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=vocab,
+                                      max_position_embeddings=max(256, words + 2), pad_token_id=1, bos_token_id=2,
+                                      eos_token_id=3, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    for split in ("train", "test"):
+        with open(os.path.join(data_dir, f"{split}.jsonl"), "w", encoding="utf-8") as file:
+            for _ in range(rows):
+                ids = torch.randint(len(specials), vocab, (words,), generator=generator).tolist()
+                file.write(json.dumps({"text": " ".join(f"w{i}" for i in ids)}) + "\n")
+    return {"model": model_dir, "data": data_dir}

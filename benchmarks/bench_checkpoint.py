@@ -9,6 +9,8 @@ equal held memory.
 
     python benchmarks/bench_checkpoint.py            # full size (~2-4 minutes on 2 cores)
     python benchmarks/bench_checkpoint.py --small    # quick check
+    python benchmarks/bench_checkpoint.py --reentrant            # reentrant regions, both sides
+    python benchmarks/bench_checkpoint.py --dialect deepspeed    # acshim's DeepSpeed checkpoint per block
 """
 
 from __future__ import annotations
@@ -31,14 +33,33 @@ CONFIGS = ("none", "torch", "acshim")
 
 
 class TorchCheckpointed(nn.Module):
-    """A block run through torch.utils.checkpoint (non-reentrant), the baseline acshim must match."""
+    """A block run through torch.utils.checkpoint, the baseline acshim must match."""
+
+    def __init__(self, block: nn.Module, reentrant: bool = False) -> None:
+        super().__init__()
+        self.block = block
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+class DeepSpeedCheckpointed(nn.Module):
+    """A block run as Megatron-DeepSpeed does: DeepSpeed's (reentrant) checkpoint around a closure."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch_checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        from acshim.facades import deepspeed
+
+        block = self.block
+
+        def custom_forward(hidden: torch.Tensor) -> torch.Tensor:
+            return block(hidden)
+
+        return deepspeed.checkpointing.checkpoint(custom_forward, x)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -51,7 +72,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 gives the steadiest ratios)")
     parser.add_argument("--small", action="store_true", help="4 layers, width 128, seq 64, 3 rounds")
     parser.add_argument("--rss", action="store_true", help="also measure RSS in a subprocess per configuration")
+    parser.add_argument("--reentrant", action="store_true", help="reentrant regions, torch's and acshim's")
+    parser.add_argument("--dialect", choices=("engine", "deepspeed"), default="engine",
+                        help="acshim's regions: apply_checkpointing (default), or acshim's DeepSpeed checkpoint "
+                             "around a closure per block (reentrant; torch's side then is reentrant too)")
     args = parser.parse_args(argv)
+    if args.dialect == "deepspeed":
+        args.reentrant = True
     if args.small:
         args.layers, args.width, args.seq, args.rounds = 4, 128, 64, 3
     return args
@@ -61,9 +88,12 @@ def build(config: str, args: argparse.Namespace) -> GPT:
     model = seeded(lambda: GPT(layers=args.layers, width=args.width, heads=8, seq=args.seq, vocab=8192))
     if config == "torch":
         for i, block in enumerate(model.h):
-            model.h[i] = TorchCheckpointed(block)
+            model.h[i] = TorchCheckpointed(block, args.reentrant)
+    elif config == "acshim" and args.dialect == "deepspeed":
+        for i, block in enumerate(model.h):
+            model.h[i] = DeepSpeedCheckpointed(block)
     elif config == "acshim":
-        acshim.apply_checkpointing(model)
+        acshim.apply_checkpointing(model, reentrant=args.reentrant)
     return model
 
 
@@ -91,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = inputs(args)
     models = {config: build(config, args) for config in CONFIGS}
     print(f"GPT-2-shaped: {args.layers} layers, width {args.width}, seq {args.seq}, batch {args.batch}; "
-          f"{args.rounds} rounds, torch threads {args.threads}, torch {torch.__version__}")
+          f"{args.rounds} rounds, torch threads {args.threads}, torch {torch.__version__}; "
+          f"{'reentrant' if args.reentrant else 'non-reentrant'} regions, acshim via {args.dialect}")
 
     grads = {}
     for config, model in models.items():

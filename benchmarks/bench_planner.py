@@ -64,7 +64,9 @@ BASELINES = ("none", "full recompute", "selective-op", "disk offload alone")
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    parser.add_argument("--model", choices=("gpt", "llama", "lora"), default="gpt",
+                        help="lora: fine-tuning, LoRA adapters (PEFT) on a frozen Llama with a big vocabulary "
+                             "(defaults 4x128, seq 128, vocab 32000, budgets 0.5,0.35)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)
@@ -91,6 +93,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--choices", default="",
                         help="planner choices, comma-separated (default: acshim's; --compile: no offload)")
     args = parser.parse_args(argv)
+    if args.model == "lora":
+        given = set(argv)
+        for flag, name, value in (("--layers", "layers", 4), ("--width", "width", 128), ("--seq", "seq", 128),
+                                  ("--vocab", "vocab", 32000), ("--budgets", "budgets", "0.5,0.35")):
+            if flag not in given:
+                setattr(args, name, value)
     if args.small:
         args.layers, args.width, args.seq, args.vocab, args.rounds = 4, 128, 64, 512, 3
     if not args.intermediate:
@@ -127,9 +135,20 @@ def workload(args: argparse.Namespace) -> Workload:
 
     def build() -> nn.Module:
         model = seeded(lambda: transformers.LlamaForCausalLM(config))
+        if args.model == "lora":
+            import peft
+
+            lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, task_type="CAUSAL_LM",
+                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"])
+            model = seeded(lambda: peft.get_peft_model(model, lora))
         model.train()
         return model
 
+    if args.model == "lora":
+        return Workload(f"LoRA fine-tuning (PEFT r=8 on every projection, frozen HF LlamaForCausalLM, transformers "
+                        f"{transformers.__version__}) {shape}, intermediate {args.intermediate}, LoRA dropout 0.1",
+                        build, {"input_ids": ids, "labels": ids})
     return Workload(f"Llama (HF LlamaForCausalLM, transformers {transformers.__version__}) {shape}, "
                     f"intermediate {args.intermediate}, no dropout", build, {"input_ids": ids, "labels": ids})
 

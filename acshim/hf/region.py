@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -111,10 +112,17 @@ def checkpoint_hf_block(module: nn.Module, options: RegionOptions) -> nn.Module:
 
 def _unwrap(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """The region's callable and inputs, partials lifted. An unbound forward given its block as
+    first argument (transformers 5.x: ``partial(forward, self, **kwargs)``) comes back bound to the
+    block, so the engine knows which module the region runs: a reentrant region then hands that
+    module's parameters to autograd as inputs (their gradient reaches them once, from the outer
+    graph: DDP's hooks fire once), and reports and plans name the block (not the shared forward)."""
     while isinstance(function, functools.partial):
         args = function.args + args
         kwargs = {**function.keywords, **kwargs}
         function = function.func
+    if args and isinstance(args[0], nn.Module) and inspect.isfunction(function):  # f(m, x) is m-bound f(x)
+        function, args = types.MethodType(function, args[0]), args[1:]
     return function, args, kwargs
 
 

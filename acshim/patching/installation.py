@@ -219,6 +219,14 @@ def _install_transformers(installation: Installation, *, transformers: bool, hf:
             hf_install()  # registers its own import hooks; does not import transformers
             installation.journal.record("acshim.hf.install", hf_uninstall)
             installation.transformers = True
+        if module_exists("transformers"):
+            # transformers models that call torch's checkpoint themselves (not through
+            # _gradient_checkpointing_func) run on the engine too
+            from .torch_route import TRANSFORMERS_CALLERS, route_torch_checkpoint, unroute_torch_checkpoint
+
+            if route_torch_checkpoint(TRANSFORMERS_CALLERS):
+                installation.journal.record("torch.utils.checkpoint for transformers' callers",
+                                            lambda: unroute_torch_checkpoint(TRANSFORMERS_CALLERS))
     if hf:
         _auto_checkpoint_transformers(installation)
 

@@ -72,7 +72,7 @@ def run_module(name: str, args: Sequence[str] = ()) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
-_REPORT = {"registered": False, "filtered": True, "detailed": False}
+_REPORT = {"registered": False, "filtered": True, "detailed": False, "withheld": False}
 
 
 def report_regions_at_exit(*, only_ranks_and_users: bool = False, detailed: bool = False) -> None:
@@ -97,6 +97,8 @@ def report_regions_at_exit(*, only_ranks_and_users: bool = False, detailed: bool
     from ..region import STATS
 
     def report() -> None:
+        if _REPORT["withheld"]:
+            return
         rank = os.environ.get("RANK")
         if _REPORT["filtered"] and rank is None and STATS.forwards == 0:
             return
@@ -107,6 +109,41 @@ def report_regions_at_exit(*, only_ranks_and_users: bool = False, detailed: bool
         print(f"{STATS}{suffix}", file=sys.stderr, flush=True)
 
     atexit.register(report)
+
+
+def withhold_report() -> None:
+    """No report at exit: the run was refused before it ran (``--budget`` that cannot be met), so
+    there is nothing to report (counts of zero and the inputs of a call that never ran would say
+    otherwise)."""
+    _REPORT["withheld"] = True
+
+
+def print_error_line(message: str) -> None:
+    """Print ``message`` to stderr on a line of its own: it starts with a line break, since the script
+    may have left its last line unfinished (a tqdm bar redraws its line with ``\\r`` and no newline)."""
+    sys.stdout.flush()
+    print(f"\n{message}", file=sys.stderr, flush=True)
+
+
+def record_rank_message(message: str) -> None:
+    """Under torchrun (``TORCHELASTIC_ERROR_FILE`` set: also ``accelerate launch``, which starts ranks
+    through it), write ``message`` where the launcher's failure summary reads a rank's root cause, in
+    the layout of torch's ``ErrorHandler.record_exception`` (torch/distributed/elastic/multiprocessing/
+    errors/error_handler.py; the summary shows ``extraInfo.py_callstack`` if present, else
+    ``message``), for a run that ends with an error of acshim's own rather than an exception. A file
+    the script wrote stays."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import json
+    import time
+
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError:  # best effort: the message is on stderr either way
+        pass
 
 
 def record_rank_error(error: BaseException) -> None:

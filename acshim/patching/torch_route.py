@@ -10,6 +10,14 @@ the name up at call time, so its segments are routed too. The engine keeps calli
 function (``acshim.region.TORCH_CHECKPOINT``), and while Dynamo traces, the call goes to torch's
 own too, which Dynamo captures as its checkpoint operator.
 
+Hugging Face models that call torch's checkpoint themselves (transformers' CLVP and Grounding DINO
+do, instead of ``_gradient_checkpointing_func``) are the exception: ``acshim.install()`` routes
+the calls made from transformers' code (``TRANSFORMERS_CALLERS``) always, so every Hugging Face
+model's checkpointing runs on the engine under ``acshim run`` (torch's reentrant checkpoint would
+give such a block's parameters no gradient when its input needs none, and fails under DDP's
+unused-parameter search); calls made anywhere else stay torch's own until ``--budget``/``--report``
+route them all.
+
 A plain attribute swap rather than ``acshim.patching.inplace``: that machinery refuses
 ``torch.utils.checkpoint`` on purpose (a facade forwarding it would recurse into the engine), and
 this one swap is undone by ``unroute_torch_checkpoint``.
@@ -18,8 +26,10 @@ this one swap is undone by ``unroute_torch_checkpoint``.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +47,20 @@ USE_REENTRANT_WARNING = (
 """torch 2.13's wording, kept so a routed call warns exactly as torch would."""
 
 
+TRANSFORMERS_CALLERS = ("transformers.", "transformers_modules.")
+"""Module-name prefixes of transformers' own code and of models loaded with ``trust_remote_code``."""
+
+
+@dataclass
+class _Routes:
+    everything: bool = False
+    callers: tuple[str, ...] = ()
+    """Prefixes of the modules whose calls are routed when not ``everything``."""
+
+
+_routes = _Routes()
+
+
 @functools.wraps(TORCH_CHECKPOINT)
 def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
                       **kwargs: Any) -> Any:
@@ -45,22 +69,40 @@ def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: b
         # traced: Dynamo takes this very function for its checkpoint operator (it compares identity with
         # torch.utils.checkpoint.checkpoint); run eagerly for a region Dynamo gave up on: torch's own
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
-    if use_reentrant is None:
+    if use_reentrant is None:  # torch's warning, at the caller's line (torch's own would point here)
         warnings.warn(USE_REENTRANT_WARNING, stacklevel=2)
         use_reentrant = True
+    if not _routes.everything and not sys._getframe(1).f_globals.get("__name__", "").startswith(_routes.callers):
+        return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
     return dropin.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
-def route_torch_checkpoint() -> bool:
-    """Send ``torch.utils.checkpoint.checkpoint`` calls to the engine; False when already routed
-    (or when something else replaced torch's function: then it is left as it is)."""
-    if torch_checkpoint.checkpoint is not TORCH_CHECKPOINT:
+def route_torch_checkpoint(callers: tuple[str, ...] | None = None) -> bool:
+    """Send ``torch.utils.checkpoint.checkpoint`` calls to the engine: every call, or with ``callers``
+    only those made from modules whose name starts with one of these prefixes. False when nothing
+    changed: already routed so (nothing is stacked), or something else replaced torch's function
+    (then it is left as it is)."""
+    if torch_checkpoint.checkpoint not in (TORCH_CHECKPOINT, routed_checkpoint):
         return False
+    if callers is None:
+        if _routes.everything:
+            return False
+        _routes.everything = True
+    else:
+        new = tuple(prefix for prefix in callers if prefix not in _routes.callers)
+        if not new:
+            return False
+        _routes.callers += new
     torch_checkpoint.checkpoint = routed_checkpoint
     return True
 
 
-def unroute_torch_checkpoint() -> None:
-    """Put torch's own ``checkpoint`` back (nothing to do when it was not routed)."""
-    if torch_checkpoint.checkpoint is routed_checkpoint:
+def unroute_torch_checkpoint(callers: tuple[str, ...] | None = None) -> None:
+    """Undo ``route_torch_checkpoint`` with the same ``callers``; torch's own ``checkpoint`` is back
+    once nothing is routed."""
+    if callers is None:
+        _routes.everything = False
+    else:
+        _routes.callers = tuple(prefix for prefix in _routes.callers if prefix not in callers)
+    if not _routes.everything and not _routes.callers and torch_checkpoint.checkpoint is routed_checkpoint:
         torch_checkpoint.checkpoint = TORCH_CHECKPOINT

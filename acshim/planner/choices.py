@@ -211,21 +211,56 @@ def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, 
     block.__dict__[_APPLIED] = block.__dict__["forward"]
 
 
+def outside_choices(model: nn.Module, choices: tuple[str, ...] | list[str]) -> list[str]:
+    """The choices for the part of ``model`` outside its blocks: ``keep``; ``offload:TIER`` per tier
+    among ``choices``; where the model has an LM head ``acshim.head`` can run, ``loss`` (the
+    cross-entropy keeps the logits, not its log-softmax) and ``head`` (head and loss in chunks of the
+    sequence, the head recomputed in backward), each also with the rest offloaded
+    (``offload:TIER+head``)."""
+    from .. import head
+
+    tiers = list(dict.fromkeys(c.partition(":")[2] for c in choices if is_offload(c)))
+    heads = list(head.MODES) if head.available(model) else []
+    return ["keep", *(f"offload:{t}" for t in tiers), *heads, *(f"offload:{t}+{h}" for t in tiers for h in heads)]
+
+
+def split_outside(outside: str) -> tuple[str, str | None]:
+    """``(offload part, head mode)`` of an outside choice: ``offload:disk+head`` -> ``("offload:disk",
+    "head")``, ``head`` -> ``("keep", "head")``."""
+    from .. import head
+
+    first, _, second = outside.partition("+")
+    if first in head.MODES and not second:
+        return "keep", first
+    if second and second not in head.MODES:
+        raise ValueError(f"unknown outside choice {outside!r}: keep, offload:TIER, {'/'.join(head.MODES)} or "
+                         f"offload:TIER+{'/'.join(head.MODES)}")
+    return first, second or None
+
+
 def install_outside(model: nn.Module, outside: str, prefetch: int = 2,
                     shared: dict[str, SharedOffload] | None = None) -> None:
-    """Make the part of ``model`` outside its blocks run as ``outside``: ``keep``, or
-    ``offload:TIER`` (an offload scope around the model's forward, sharing the offloaded blocks'
-    schedule through ``shared``; the blocks' own choices take precedence inside them). Only a
-    forward the planner installed is replaced or removed."""
+    """Make the part of ``model`` outside its blocks run as ``outside``: ``keep``, ``offload:TIER``
+    (an offload scope around the model's forward, sharing the offloaded blocks' schedule through
+    ``shared``; the blocks' own choices take precedence inside them), ``loss`` / ``head``
+    (``acshim.head``'s modes for the LM head and its cross-entropy) or both (``offload:TIER+head``).
+    Only what the planner installed is replaced or removed."""
+    from .. import head
+
+    offload, mode = split_outside(outside)
+    if mode is None:
+        head.remove(model)
+    elif head.installed_mode(model) != mode and not head.install(model, mode):
+        raise ValueError(f"outside choice {outside!r}: {type(model).__name__} has no LM head acshim.head can run")
     ours = isinstance(model.__dict__.get(_APPLIED), OffloadedForward) and model.__dict__.get(
         "forward") is model.__dict__.get(_APPLIED)
-    if outside == "keep":
+    if offload == "keep":
         if ours:
             install(model, "keep")
         return
-    if not is_offload(outside):
+    if not is_offload(offload):
         raise ValueError(f"unknown outside choice {outside!r}: keep or offload:TIER")
     if checkpointed_forward_of(model) is not None and not ours:
         raise ValueError(f"{type(model).__name__} is itself a checkpointed region; the part outside its blocks "
                          "cannot also be offloaded (remove its checkpointing first)")
-    install(model, outside, prefetch, shared)
+    install(model, offload, prefetch, shared)

@@ -235,7 +235,7 @@ def solve_within(profile: Profile, budget: int | float | str,
         if measure is None or not (offloads or profile.outside):
             raise
         kept = [c for c in profile.choices if c not in offloads]
-        restricted = replace(profile, choices=kept, outside={},
+        restricted = replace(profile, choices=kept, outside={k: v for k, v in profile.outside.items() if not is_offload(k)},
                              blocks=[replace(b, held={c: b.held[c] for c in kept},
                                              transient={c: b.transient[c] for c in kept},
                                              seconds={c: b.seconds[c] for c in kept}, window={})

@@ -39,7 +39,7 @@ from ..blocks import find_blocks
 from ..measure import default_loss
 from ..region_state import region_inputs
 from ..wrap import _MISSING
-from .choices import SharedOffload, install, install_outside, is_offload
+from .choices import SharedOffload, install, install_outside, is_offload, outside_choices
 from .replay import Copies, recorded_keys, replay
 from .tracker import LiveBytes, excluded_keys, grad_keys, storage_key
 
@@ -345,8 +345,7 @@ def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
     model.zero_grad(set_to_none=True)
     # What lies outside the blocks, alone (blocks replayed): kept, and offloaded per tier
     outside: dict[str, dict[str, float]] = {}
-    tiers = [f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c)]
-    for choice in ["keep", *dict.fromkeys(tiers)]:
+    for choice in outside_choices(model, choices):
         held, peak, seconds = _outside_alone(model, inputs, loss_fn, blocks, outputs, choice, prefetch, repeats)
         outside[choice] = {"held": held, "transient": max(0, peak - held), "seconds": seconds}
     kept = outside.pop("keep")

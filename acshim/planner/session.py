@@ -35,15 +35,24 @@ from torch import nn
 
 from .. import region as engine
 from .. import structures
-from ..measure import default_loss
+from ..head import planning_loss
 from ..options import RegionOptions
 from ..region import _owning_module, run_region_now
+from ..region_state import region_inputs
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import budget_at_least, format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, choice_options, expand_choices, install_outside, is_offload
+from .choices import (
+    BASE_CHOICES,
+    SharedOffload,
+    choice_options,
+    expand_choices,
+    install_outside,
+    is_offload,
+    outside_choices,
+)
 from .plan import Plan, solve_within
 from .profile import (
     BlockProfile,
@@ -116,6 +125,8 @@ class PlanSession:
     _shared: dict[str, SharedOffload] = field(default_factory=dict)
     world: int = 1
     _planned_elements: int = 0
+    _larger_elements: int = 0
+    """Elements of this step's inputs when more than planned on (0 otherwise)."""
     _warned_larger: bool = False
     _copies: Copies = field(default_factory=Copies)
     _outside: str = "keep"
@@ -157,7 +168,10 @@ class PlanSession:
         if choices is None or index >= len(choices) or index >= len(self.sites):
             return run_region_now(function, args, kwargs, RegionOptions())  # more regions than planned: safe
         self.sites[index].calls += 1
-        return self.run_choice(self.sites[index], choices[index], function, args, kwargs)
+        output = self.run_choice(self.sites[index], choices[index], function, args, kwargs)
+        if self._larger_elements and not self._warned_larger:
+            self._warn_in_backward(output)
+        return output
 
     def run_choice(self, site: RegionSite, choice: str, function: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
@@ -185,19 +199,38 @@ class PlanSession:
 
     def _reset_position(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.position = 0
+        self._larger_elements = 0
         if self.mode == "planned" and not self._warned_larger:
             elements = _input_elements(args, kwargs)
             if elements > self._planned_elements > 0:
-                self._warned_larger = True
-                if _rank() == 0:
-                    print(f"acshim: --budget: this step's inputs hold {elements} elements, the step planned on held "
-                          f"{self._planned_elements}: activation memory grows with them, so the plan's peak may "
-                          "exceed the budget (pad batches to one length, or plan on the largest batch first)",
-                          file=sys.stderr, flush=True)
+                self._larger_elements = elements  # said once a backward reaches the step's regions
+
+    def _warn_in_backward(self, output: Any) -> None:
+        """Warn about this step's larger inputs when backward reaches this region's output: a step
+        that runs no backward (evaluation, even with grad enabled) holds nothing for it and is silent."""
+        elements = self._larger_elements
+
+        def warn(_: torch.Tensor) -> None:
+            if self._warned_larger:
+                return
+            self._warned_larger = True
+            if _rank() == 0:
+                print(f"acshim: --budget: this step's inputs hold {elements} elements, the step planned on held "
+                      f"{self._planned_elements}: activation memory grows with them, so the plan's peak may "
+                      "exceed the budget (pad batches to one length, or plan on the largest batch first)",
+                      file=sys.stderr, flush=True)
+
+        for leaf in structures.flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(warn)
+                return
 
     # ---------------------------------------------------------------------------------- planning
     def _capture(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  options: RegionOptions) -> Any:
+        # the inputs the region runs on: a Hugging Face cache passed in is dropped (region_state), so a
+        # block run alone while profiling never appends to it again (backward through a freed graph)
+        args, kwargs = region_inputs(function, args, kwargs)
         site = self.sites[index] if index < len(self.sites) else None
         if site is None:
             owner = _owning_module(function)
@@ -276,6 +309,10 @@ class PlanSession:
         lead = _rank() == 0  # every rank has the same plan: one rank says it
         if lead:
             print(self.summary(), file=sys.stderr, flush=True)
+        if lead and self.png and not self.exit_after_plan:
+            from .picture import write_png as write_picture
+
+            print(f"acshim: {write_picture(self.plan, self.png)}", file=sys.stderr, flush=True)
         if self.exit_after_plan:
             self.stop()
             if lead:
@@ -288,7 +325,7 @@ class PlanSession:
         def step(tracker: LiveBytes | None = None) -> None:
             self.position = 0
             output = root(*root_args, **root_kwargs)
-            loss = default_loss(output)
+            loss = planning_loss(output, root_args, root_kwargs)
             del output
             if tracker is not None:
                 tracker.mark("forward")
@@ -316,9 +353,8 @@ class PlanSession:
             choices.append("recompute")
         # what lies outside the regions, alone (regions replayed): kept, and offloaded per tier
         outside: dict[str, dict[str, float]] = {}
-        parts = ["keep"]
-        if checkpointed_forward_of(root) is None:  # a model that is itself a region has no outside part
-            parts += dict.fromkeys(f"offload:{c.partition(':')[2]}" for c in choices if is_offload(c))
+        # a model that is itself a region has no outside part
+        parts = outside_choices(root, choices) if checkpointed_forward_of(root) is None else ["keep"]
         for part in parts:
             held, peak, seconds = self._outside_alone(root, part, step, excluded)
             outside[part] = {"held": held, "transient": max(0, peak - held), "seconds": seconds}
@@ -447,7 +483,9 @@ class PlanSession:
         if self.sweep:
             lines += ["", frontier_table(plan)]
             if self.png:
-                lines.append(write_png(plan, self.png))
+                from .picture import write_png as write_picture
+
+                lines.append(write_picture(plan, self.png))
         return "\n".join(lines)
 
 
@@ -481,31 +519,6 @@ def _baseline_point(plan: Plan, choice: str) -> tuple[int, float]:
     assignment = [choice] * len(plan.blocks)
     outside = choice if choice in plan.profile.outside else "keep"
     return plan.profile.peak_of(assignment, outside), plan.profile.seconds_of(assignment, outside)
-
-
-def write_png(plan: Plan, path: str) -> str:
-    """Plot the frontier and the baselines to ``path`` (needs matplotlib: ``pip install acshim[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--png {path}: matplotlib is not installed (pip install 'acshim[plot]'); no figure written"
-    ref_peak, ref_seconds = plan.reference_peak or 1, plan.reference_seconds or 1.0
-    points = plan.frontier()
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot([p.peak / ref_peak for p in points], [p.seconds / ref_seconds for p in points], "o-", label="plan")
-    for label, choice in _baselines(plan.profile):
-        peak, seconds = _baseline_point(plan, choice)
-        axes.plot(peak / ref_peak, seconds / ref_seconds, "s", label=label)
-    axes.set_xlabel("peak activation memory / no checkpointing")
-    axes.set_ylabel("step time / no checkpointing")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return f"wrote {path}"
 
 
 def _counts(choices: list[str]) -> str:

@@ -236,6 +236,59 @@ def test_report_counts_regions_per_dialect_and_finds_nothing_wrong(tmp_path: Pat
     assert "settings that do nothing: none found" in err
 
 
+HF_PATHS = """
+import sys, torch, transformers
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64,
+                                                             n_positions=32, bos_token_id=0, eos_token_id=0)).train()
+path = sys.argv[1]
+if path == "gradient_checkpointing_enable":
+    model.gradient_checkpointing_enable()
+elif path == "checkpoint_wrapper":
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPT2Block))
+elif path == "closure":                                # the custom(module) idiom, one closure per block
+    model.config.use_cache = False                     # a cache captured by the closure would be written twice
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+        def forward(self, hidden, *rest, **kwargs):
+            block = self.block
+            def custom(x):
+                return block(x, *rest, **kwargs)
+            return torch.utils.checkpoint.checkpoint(custom, hidden, use_reentrant=False)
+    for i, block in enumerate(model.transformer.h):
+        model.transformer.h[i] = Checkpointed(block)
+for step in range(2):
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+"""
+
+
+@pytest.mark.parametrize(("path", "flags", "dialect"), [
+    ("gradient_checkpointing_enable", [], "hf"),
+    ("as-built", ["--hf"], "hf"),
+    ("checkpoint_wrapper", [], "torch checkpoint_wrapper"),
+    ("closure", [], "torch.utils.checkpoint"),
+])
+def test_report_names_one_row_per_hf_block_whichever_path_made_it(tmp_path: Path, path: str, flags: list[str],
+                                                                 dialect: str) -> None:
+    """A Hugging Face GPT-2's 4 blocks, checkpointed by its own switch, by --hf, by a dialect's
+    wrapper or by a closure per block: 4 rows named GPT2Block#0..3, and the counts agree with the
+    --budget line's."""
+    pytest.importorskip("transformers")
+    script = _script(tmp_path, HF_PATHS)
+    done = _acshim("run", "--report", "--budget", "0.9", *flags, str(script), path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"replaced 4 region\(s\) \(4 {re.escape(dialect)}: ", done.stderr), done.stderr[-3000:]
+    rows = re.findall(r"^  (\S+)\s+(.+?)\s+(\d+)\s+(\d+)\s+[\d.]+ (?:KiB|MiB)$", done.stderr, re.M)
+    assert [(name, where.strip(), forwards) for name, where, forwards, _ in rows] == [
+        (f"GPT2Block#{i}", dialect, "2") for i in range(4)], done.stderr[-3000:]
+    assert re.search(rf"^  {re.escape(dialect)}\s+4 region\(s\), 8 forwards", done.stderr, re.M), done.stderr[-3000:]
+
+
 def test_report_flags_a_block_checkpointed_twice(tmp_path: Path) -> None:
     script = _script(tmp_path, NESTED_AND_CACHE.replace(
         "for step in range(2):", "acshim.apply_checkpointing(model, 'h.*.fc')\nfor step in range(2):"))
@@ -268,6 +321,56 @@ def test_script_without_regions_under_budget_exits_2(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "trained" in done.stdout
     assert "--budget 0.5: the script ran no checkpointed region" in done.stderr
+
+
+ENDINGS = {
+    "sys.exit(main())": "sys.exit(main())",          # main returns None
+    "sys.exit(0)": "main()\nsys.exit(0)",
+    "raise SystemExit": "main()\nraise SystemExit",
+    "falls off the end": "main()",
+}
+
+
+@pytest.mark.parametrize("verb", ["run", "plan"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_script_without_regions_ends_the_same_whichever_way_it_exits(tmp_path: Path, ending: str, verb: str) -> None:
+    """A successful exit (``sys.exit(None)`` / ``sys.exit(0)`` / ``raise SystemExit`` / the end of the
+    file) is the end of the run: nothing was planned, so exit 2 saying so, in every case."""
+    script = _script(tmp_path, "import sys\ndef main():\n    print('trained')\n" + ENDINGS[ending] + "\n")
+    done = _acshim(verb, "--budget", "0.5", str(script), cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "trained" in done.stdout
+    assert f"acshim {verb}: --budget 0.5: the script ran no checkpointed region" in done.stderr
+
+
+def test_script_failing_exit_status_is_kept_under_budget(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import sys\nprint('failed')\nsys.exit(3)\n")
+    done = _acshim("run", "--budget", "0.5", str(script), cwd=tmp_path, timeout=300)
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert "checkpointed region" not in done.stderr  # the script's own failure is its own message
+
+
+PROGRESS_THEN_REFUSED = MODEL + """
+from tqdm import tqdm
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+model = build()
+apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, GPTBlock))
+for step in tqdm(range(3), mininterval=0):               # its line is unfinished while a step runs
+    train_step(model, ids)
+"""
+
+
+def test_refused_budget_error_starts_its_own_line_and_reports_no_run(tmp_path: Path) -> None:
+    """A budget below the least achievable peak: the error begins a line of its own (not after the
+    script's tqdm bar) and ``--report`` prints nothing about the run that did not happen."""
+    pytest.importorskip("tqdm")
+    script = _script(tmp_path, PROGRESS_THEN_REFUSED)
+    done = _acshim("run", "--report", "--budget", "1KiB", str(script), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.split("\n")  # "\r" (tqdm's redraw) is not a line break on a terminal
+    refused = [line for line in lines if "below the least achievable peak" in line]
+    assert len(refused) == 1 and refused[0].startswith("acshim run: --budget 1KiB:"), done.stderr
+    assert "acshim report" not in done.stderr and "region forwards" not in done.stderr, done.stderr
 
 
 COMPILED = MODEL + """
@@ -342,11 +445,23 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
 
 
 def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
-    """``--png`` with the optional 'plot' extra: a PNG of the frontier with the baselines beside it."""
+    """``--png`` with the optional 'plot' extra: one step's memory block by block beside the frontier
+    (``acshim plan``), and the same picture from ``acshim run --budget`` once it has planned."""
     pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from acshim.planner import picture
+
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
     done = _acshim("plan", "--budget", "2MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     png = (tmp_path / "frontier.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert "frontier.png" in done.stdout
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "frontier.png" in done.stdout
+    size = (int(picture.SIZE_INCHES[1] * picture.DPI), int(picture.SIZE_INCHES[0] * picture.DPI))
+    assert matplotlib.image.imread(tmp_path / "frontier.png").shape[:2] == size
+    done = _acshim("run", "--budget", "0.45", "--png", "run.png", str(script), "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "acshim: wrote run.png" in done.stderr and _result(done.stdout)["equal"]
+    assert matplotlib.image.imread(tmp_path / "run.png").shape[:2] == size
+    done = _acshim("run", "--png", "x.png", str(script), cwd=tmp_path)
+    assert done.returncode == 2 and "--png draws a --budget plan's memory" in done.stderr

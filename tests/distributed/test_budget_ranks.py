@@ -48,3 +48,15 @@ def test_fsdp2_across_ranks_is_refused_naming_the_fix(launch, torchrun) -> None:
     assert "planning across 2 ranks supports replicated models (DistributedDataParallel, or none); this one is " \
            "sharded by fully_shard (FSDP2)" in result.stderr
     assert "RESULT" not in result.stdout
+
+
+def test_refused_budget_is_named_in_torchruns_failure_summary(launch, torchrun) -> None:
+    """A budget no plan can meet ends every rank with exit 2 and acshim's message; the rank writes
+    torchrun's error file, so the launcher's failure summary names the cause (not ``<N/A>``)."""
+    result = launch(torchrun("-m", "acshim", "run", "--budget", "1KiB", SCRIPT, "--setting", "plain"))
+    assert result.returncode != 0
+    root_cause = result.stderr[result.stderr.index("Root Cause"):]
+    assert "exitcode  : 2" in root_cause and "error_file: <N/A>" not in root_cause, root_cause
+    assert re.search(r"traceback : acshim run: --budget 1KiB: budget .* is below the least achievable peak",
+                     root_cause), root_cause
+    assert "RESULT" not in result.stdout

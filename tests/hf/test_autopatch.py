@@ -24,8 +24,9 @@ def test_autopatched_model_gives_bitwise_equal_gradients(arch, reentrant, autopa
     assert len(hf.acshim_regions(model)) == len(hf.hf_blocks(model)) >= 3
     if arch == "t5" and reentrant:
         # Any reentrant checkpoint sums the decoder blocks' gradients for encoder_hidden_states per
-        # block, not per use, and runs forward under no_grad (other SDPA kernel for T5's learnable
-        # bias): upstream's own use_reentrant=True run differs from the plain run the same way.
+        # block, not per use (an input used inside several regions and outside: README, "One
+        # difference remains"): upstream's own use_reentrant=True run differs from the plain run
+        # the same way.
         upstream = hf_model(arch)
         upstream.gradient_checkpointing_enable({"use_reentrant": True})
         upstream_step = train_step(upstream, hf_inputs(arch))

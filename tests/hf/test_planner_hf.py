@@ -28,3 +28,45 @@ def test_plan_profiles_cached_blocks_and_trains_exactly(family: str) -> None:
     plan.apply(model)
     got = grads()
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
+
+
+@pytest.mark.parametrize("loss_in", ["forward", "script"])
+def test_plan_chooses_the_chunked_head_for_a_big_vocabulary_and_trains_exactly(loss_in: str) -> None:
+    """A big vocabulary (the logits dominate): at 0.6 of no checkpointing's peak the plan runs the head
+    and loss in chunks (``acshim.head``); gradients bitwise equal to the plain model's, whether the loss
+    is the model's own (``labels``, Hugging Face's ``loss_function``) or the script's ``F.cross_entropy``
+    of ``outputs.logits`` (shifted by slicing)."""
+    import torch
+    import torch.nn.functional as F
+
+    import acshim
+    from acshim.testing import hf_model
+
+    vocab = 8192
+    ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(5))
+    if loss_in == "forward":
+        batch, loss_fn = {"input_ids": ids, "labels": ids}, None
+    else:
+        batch = {"input_ids": ids}
+
+        def loss_fn(output):
+            return F.cross_entropy(output.logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        output = model(**batch)
+        (output.loss if loss_fn is None else loss_fn(output)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = step(hf_model("llama", vocab_size=vocab))
+    model = hf_model("llama", vocab_size=vocab)
+    # the script's slice is copied by reshape: a second logits-sized tensor in its forward
+    plan = acshim.plan(model, batch, budget=0.6 if loss_fn is None else 0.75, loss_fn=loss_fn,
+                       choices=("keep", "recompute"))
+    assert plan.outside.endswith("head"), str(plan)
+    assert plan.measured_peak <= plan.budget
+    plan.apply(model)
+    got = step(model)
+    assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
+    acshim.remove_checkpointing(model)
+    assert "forward" not in model.lm_head.__dict__

@@ -38,6 +38,9 @@ def test_compat_prints_rows_filtered_by_dialect(matrix: Path, capsys: pytest.Cap
     assert cli.main(["compat"]) == 0
     text = capsys.readouterr().out
     assert text.index("deepspeed\n") < text.index("fairscale\n")
+    header = [line for line in text.splitlines() if line.split() == ["upstream", "name", "status", "why"]]
+    assert len(header) == 1 and text.index(header[0]) < text.index("deepspeed\n")  # columns named first
+    assert "same = behaves as upstream" in text and "not yet = gives a clear error" in text  # statuses explained
     assert cli.main(["compat", "--dialect", "fairscale"]) == 0
     text = capsys.readouterr().out
     assert "fairscale.nn.checkpoint_wrapper" in text and "deepspeed" not in text

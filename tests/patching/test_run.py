@@ -153,6 +153,42 @@ def test_a_launcher_is_an_executable_on_path_that_is_not_a_file_here(tmp_path: P
     assert _launcher_path(str(Path("sub") / "torchrun")) is None  # a path is never looked up on PATH
 
 
+def test_a_path_to_an_executable_that_is_not_python_source_is_a_launcher(tmp_path: Path, monkeypatch) -> None:
+    """``acshim run -- /venv/bin/python train.py``: the interpreter (or a shell wrapper), named by an
+    absolute or relative path, is started as a launcher; Python source given by path runs as a script."""
+    from acshim.cli import _launcher_path
+
+    monkeypatch.chdir(tmp_path)
+    interpreter = os.path.realpath(sys.executable)
+    assert _launcher_path(interpreter) == interpreter
+    (tmp_path / "bin").mkdir()
+    os.symlink(interpreter, tmp_path / "bin" / "python")
+    relative = str(Path("bin") / "python")
+    assert _launcher_path(relative) == relative
+    wrapper = tmp_path / "launch.sh"
+    wrapper.write_text("#!/bin/sh\nexec torchrun \"$@\"\n")
+    wrapper.chmod(0o755)
+    assert _launcher_path("launch.sh") == "launch.sh"
+    console = tmp_path / "tool"  # a console script: python source behind a python #! line
+    console.write_text(f"#!{interpreter}\nimport sys\n")
+    console.chmod(0o755)
+    plain = tmp_path / "script"  # executable text without #!: python reads it as source
+    plain.write_text("print('hi')\n")
+    plain.chmod(0o755)
+    assert _launcher_path("tool") is None and _launcher_path("script") is None
+    wrapper.chmod(0o644)  # not executable: python would try to run it as a script, and so does acshim
+    assert _launcher_path("launch.sh") is None
+
+
+def test_interpreter_given_by_path_runs_as_the_launcher(tmp_path: Path, plain_env) -> None:
+    console = str(Path(sys.executable).with_name("acshim"))
+    _write(tmp_path / "train.py", "import os, sys\nprint(os.environ.get('ACSHIM_PATCH_CHILDREN'), sys.argv)\n")
+    done = subprocess.run([console, "run", "--", sys.executable, "train.py", "a"], cwd=tmp_path, env=plain_env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1 ['train.py', 'a']"  # a patched child python ran the script
+
+
 def test_deepspeed_launchers_local_rank_before_run_goes_to_the_script(tmp_path: Path, run_acshim, plain_env) -> None:
     """``deepspeed --module acshim run train.py x`` starts ``python -u -m acshim --local_rank=N run
     train.py x`` (deepspeed/launcher/launch.py): the script sees what ``deepspeed train.py x`` gives it."""

@@ -7,7 +7,7 @@ it, so a no-grad forward in training mode leaves the running statistics alone. R
 
 Deliberate difference: inside an acshim region's first forward (``is_checkpointing()``) the hooks
 do nothing. The engine already keeps statistics updated once per step (it restores them after the
-recompute, ``acshim.batchnorm``); skipping them in the forward as well would mean they were never
+recompute, ``acshim.region_buffers``); skipping them in the forward as well would mean they were never
 updated.
 """
 

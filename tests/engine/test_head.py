@@ -1,0 +1,206 @@
+"""``acshim.head``: the LM head and its cross-entropy in chunks give torch's gradients bitwise and
+hold less (``tests/hf`` and ``tests/cli`` run it on whole models and scripts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointError
+
+import acshim.head as head
+from acshim.planner.tracker import LiveBytes, excluded_keys, grad_keys
+
+VOCAB, WIDTH = 3000, 32
+SMALL_CHUNKS = 16 * VOCAB * 4  # 16 rows per chunk: several chunks on the batches below
+
+
+class TinyLM(nn.Module):
+    """An embedding, a norm and an untied linear head; ``loss_in_forward`` as Hugging Face models do."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=bias)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.embed(ids)))
+
+
+def _model(seed: int = 0, bias: bool = False, frozen_head: bool = False) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM(bias)
+    if frozen_head:
+        model.lm_head.requires_grad_(False)
+    return model
+
+
+def _ids(batch: int = 3, seq: int = 37, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+LOSSES = {
+    # Hugging Face's ForCausalLMLoss: labels padded and shifted, logits viewed (no copy)
+    "hf": lambda logits, ids: F.cross_entropy(logits.float().view(-1, VOCAB),
+                                              F.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1), ignore_index=-100),
+    # a script shifting the logits: a slice, copied by reshape
+    "shifted": lambda logits, ids: F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)),
+    "contiguous-sum": lambda logits, ids: F.cross_entropy(logits[:, 1:, :].contiguous().view(-1, VOCAB),
+                                                          ids[:, :-1].reshape(-1), reduction="sum"),
+    "module-none": lambda logits, ids: nn.CrossEntropyLoss(reduction="none")(
+        logits.flatten(0, 1), ids.flatten()).square().mean(),
+    "ignore-zero": lambda logits, ids: F.cross_entropy(logits.view(-1, VOCAB), ids.view(-1), ignore_index=0),
+}
+
+
+def _step(model: nn.Module, ids: torch.Tensor, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(ids), ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("mode", head.MODES)
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_chunked_head_and_loss_give_torch_gradients_bitwise(loss: str, mode: str, frozen_head: bool) -> None:
+    """Loss value and every gradient bitwise equal to plain ``F.cross_entropy`` over the whole logits:
+    views, slices, copies, casts, reductions, ``nn.CrossEntropyLoss``, ``ignore_index=0``, a trainable
+    head (exact mode) and a frozen one (LoRA-like), several chunks with a remainder."""
+    ids = _ids()
+    ids[0, 5] = 0
+    reference_loss, reference = _step(_model(frozen_head=frozen_head), ids, LOSSES[loss])
+    model = _model(frozen_head=frozen_head)
+    with head.chunked(model, mode, chunk_bytes=SMALL_CHUNKS) as done:
+        assert done
+        got_loss, got = _step(model, ids, LOSSES[loss])
+    assert torch.equal(got_loss, reference_loss)
+    assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got), \
+        {k: (got[k] - reference[k]).abs().max().item() for k in got}
+    assert "forward" not in model.lm_head.__dict__  # removed
+
+
+def test_bias_and_other_uses_of_the_logits_stay_exact() -> None:
+    """A head with bias, and a second differentiable use of the logits beside the loss (a z-loss):
+    the gradients are summed where torch sums them (in the logits), so still bitwise."""
+    def loss_fn(logits, ids):
+        return LOSSES["hf"](logits, ids) + 1e-3 * torch.logsumexp(logits, -1).square().mean()
+
+    ids = _ids()
+    reference_loss, reference = _step(_model(bias=True), ids, loss_fn)
+    for frozen in (False, True):
+        model = _model(bias=True, frozen_head=frozen)
+        reference_loss, reference = _step(_model(bias=True, frozen_head=frozen), ids, loss_fn)
+        with head.chunked(model, "head", chunk_bytes=SMALL_CHUNKS):
+            got_loss, got = _step(model, ids, loss_fn)
+        assert torch.equal(got_loss, reference_loss)
+        assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def test_inexact_trainable_head_weight_gradient_bound() -> None:
+    """``exact=False``: a trainable head's weight gradient is summed chunk by chunk; everything else
+    stays bitwise and the weight gradient is within a few float32 ulps of torch's (measured bound:
+    relative error below 1e-5 of the gradient's largest element)."""
+    ids = _ids(batch=4, seq=64)
+    _, reference = _step(_model(), ids, LOSSES["hf"])
+    model = _model()
+    with head.chunked(model, "head", chunk_bytes=SMALL_CHUNKS, exact=False):
+        _, got = _step(model, ids, LOSSES["hf"])
+    for name in reference:
+        if name != "lm_head.weight":
+            assert torch.equal(got[name], reference[name]), name
+    error = (got["lm_head.weight"] - reference["lm_head.weight"]).abs().max()
+    scale = reference["lm_head.weight"].abs().max()
+    assert error / scale < 1e-5, (error, scale)
+
+
+def _peak(model: nn.Module, ids: torch.Tensor, loss_fn) -> tuple[int, int]:
+    tracker = LiveBytes(excluded_keys(model, ids))
+    with tracker:
+        loss = loss_fn(model(ids), ids)
+        tracker.mark("forward")
+        loss.backward()
+        del loss
+        tracker.mark("end")
+    series = tracker.series(grad_keys(model))
+    tracker.release()
+    return series[tracker.marks["forward"] - 1], max(series)
+
+
+def test_head_mode_holds_the_hidden_states_and_peaks_near_one_logits() -> None:
+    """Held after forward: torch's loss keeps one logits-sized log-softmax; loss mode keeps the logits
+    (the same size); head mode only the hidden states. Peak: torch about three logits (log-softmax and
+    two gradients), head mode about one (the logits in forward) plus a few chunks."""
+    ids = _ids(batch=4, seq=128)
+    logits_bytes = ids.numel() * VOCAB * 4
+    model = _model(frozen_head=True)
+    held_plain, peak_plain = _peak(model, ids, LOSSES["hf"])
+    with head.chunked(model, "loss", chunk_bytes=SMALL_CHUNKS):
+        held_loss, peak_loss = _peak(model, ids, LOSSES["hf"])
+    with head.chunked(model, "head", chunk_bytes=SMALL_CHUNKS):
+        held_head, peak_head = _peak(model, ids, LOSSES["hf"])
+    assert held_plain >= logits_bytes and peak_plain >= 2.9 * logits_bytes
+    assert held_loss < held_plain + 1e5 and peak_loss < peak_plain - 0.9 * logits_bytes
+    assert held_head < 0.05 * logits_bytes
+    assert peak_head < 1.3 * logits_bytes
+
+
+def test_logits_changed_before_backward_raise_checkpoint_error() -> None:
+    """The head's weight changed in place between forward and backward (the recompute would differ):
+    torch's own version check fires; a recompute that differs otherwise raises ``CheckpointError``."""
+    model = _model(frozen_head=True)
+    ids = _ids()
+    with head.chunked(model, "head", chunk_bytes=SMALL_CHUNKS):
+        loss = LOSSES["hf"](model(ids), ids)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    rows = torch.zeros(4, VOCAB)
+    entry = head._Pending(torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.ones(()), torch.tensor(4.0),
+                          head._checksum(rows + 1), -100, "mean", torch.float32)
+    with pytest.raises(CheckpointError, match="recomputed for backward differ"):
+        head._chunk_logits_grad(torch.zeros(4, WIDTH), torch.zeros(VOCAB, WIDTH), None, 0, 4, entry,
+                                head._inverse(entry, 4))
+
+
+def test_forms_it_does_not_chunk_run_as_torch() -> None:
+    """Class weights, label smoothing, probability targets, 3-d inputs, no grad, a bad target: torch's
+    own result or error, unchanged."""
+    model = _model()
+    ids = _ids()
+    with head.chunked(model, "head"):
+        logits = model(ids)
+        plain = logits.detach().as_subclass(torch.Tensor)
+        for kwargs in ({"label_smoothing": 0.1}, {"weight": torch.rand(VOCAB)}):
+            got = F.cross_entropy(logits.view(-1, VOCAB), ids.view(-1), **kwargs)
+            assert torch.equal(got, F.cross_entropy(plain.view(-1, VOCAB), ids.view(-1), **kwargs))
+        got = F.cross_entropy(logits.transpose(1, 2), ids)
+        assert torch.equal(got, F.cross_entropy(plain.transpose(1, 2), ids))
+        bad = ids.view(-1).clone()
+        bad[3] = VOCAB
+        with pytest.raises(IndexError, match="out of bounds"):
+            F.cross_entropy(logits.view(-1, VOCAB), bad)
+        assert type(logits.softmax(-1)) is torch.Tensor  # other uses get plain tensors
+    assert type(model(ids)) is torch.Tensor
+
+
+def test_chunk_rows_never_below_sixteen_rows() -> None:
+    assert head.chunk_rows(10, VOCAB, 4, 1) == [(0, 10)]
+    assert head.chunk_rows(40, VOCAB, 4, 1) == [(0, 16), (16, 40)]
+    assert head.chunk_rows(1024, 10, 4, 2**30) == [(s, s + 128) for s in range(0, 1024, 128)]  # an eighth
+    chunks = head.chunk_rows(1000, VOCAB, 4, 64 * VOCAB * 4)
+    assert chunks[0] == (0, 64) and chunks[-1][1] == 1000 and all(e - s >= 16 for s, e in chunks)
+
+
+def test_install_refuses_bad_arguments_and_models_without_a_head() -> None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+        head.install(_model(), "logits")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        head.install(_model(), chunk_bytes=0)
+    assert not head.install(nn.Sequential(nn.Linear(2, 2)))
