@@ -1,14 +1,17 @@
 """Transfer engines under the storage tier: one small interface, a backend per device kind.
 
-``Backend`` (``base.py``) is the interface: issue a copy out, issue a copy in, wait, release.
-``CpuBackend`` moves CPU tensors with worker threads (host memory, disk files), ``CudaBackend``
-with a side stream, pinned host memory and events, and ``SimulatedBackend`` (tests, benchmarks)
-models a link of a given bandwidth (each copy lands at a per-byte deadline) so prefetch overlap
-can be measured on a CPU. ``backend_for`` picks by device.
+``Backend`` (``base.py``) is the interface: note where saved bytes are made, issue a copy out, issue a
+copy in, wait, release. ``CpuBackend`` moves CPU tensors with worker threads (host memory, disk
+files); ``CudaBackend`` with two side streams ordered by events and pinned pools (``pinned.py``), on
+an injectable CUDA runtime (``runtime.py``: ``torch.cuda``, or ``simcuda.SimulatedCuda``, which
+checks its stream ordering on a CPU); ``SimulatedBackend`` (tests, benchmarks) models a link of a
+given bandwidth (each copy lands at a per-byte deadline) so prefetch overlap can be measured on a
+CPU. ``backend_for`` picks by device.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -19,6 +22,14 @@ from .simulated import SimulatedBackend, TransferRecord
 
 _lock = threading.Lock()
 _shared: dict[torch.device, Backend] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def backend_for(device: torch.device) -> Backend:

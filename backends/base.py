@@ -1,8 +1,9 @@
 """The one interface every transfer engine implements: issue a copy out, issue a copy in, wait, release.
 
 A backend moves the bytes of a saved tensor between where it was computed and a storage tier, without
-blocking the caller: ``copy_out`` and ``copy_in`` only *issue* work and return a ``Ticket``; ``wait``
-blocks until a copy-in has landed and returns the tensor; ``release`` gives the tier its space back.
+blocking the caller: ``saved`` notes (at pack time) where the bytes are produced, ``copy_out`` and
+``copy_in`` only *issue* work and return a ``Ticket``; ``wait`` blocks until a copy-in has landed
+and returns the tensor; ``release`` gives the tier its space back.
 The tier (host memory, disk files) is passed in and only needs the small ``Tier`` protocol below, so
 backends know nothing of the storage engine above them.
 """
@@ -25,7 +26,7 @@ class Tier(Protocol):
     def write(self, data: torch.Tensor) -> Any:
         """Store a 1-D ``uint8`` CPU tensor; return a slot. Blocking (runs on a worker thread)."""
 
-    def read(self, slot: Any, pin_memory: bool = False) -> torch.Tensor:
+    def read(self, slot: Any) -> torch.Tensor:
         """The slot's bytes as a 1-D ``uint8`` CPU tensor. Blocking (runs on a worker thread)."""
 
     def free(self, slot: Any) -> None:
@@ -62,9 +63,16 @@ class Backend(ABC):
     """A transfer engine for one kind of device. Thread-compatible: the storage engine calls it from
     the thread running forward/backward; the backend's own workers do the copying."""
 
+    def saved(self, data: torch.Tensor) -> Any:
+        """Called when autograd saves ``data`` (pack time); what it returns is passed to
+        ``copy_out`` as ``ready``, which may be issued later (prefetch > 0 defers it). The CUDA
+        backend records an event on the producing stream here; None elsewhere."""
+        return None
+
     @abstractmethod
-    def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
-        """Issue a copy of ``data`` (1-D ``uint8``, on this backend's device) into ``tier``.
+    def copy_out(self, data: torch.Tensor, tier: Tier, ready: Any = None) -> Ticket:
+        """Issue a copy of ``data`` (1-D ``uint8``, on this backend's device) into ``tier``, ordered
+        after ``ready`` (from ``saved``).
 
         The backend keeps ``data`` alive until the copy has read it, then drops it."""
 
@@ -74,16 +82,24 @@ class Backend(ABC):
 
     @abstractmethod
     def done(self, ticket: Ticket) -> bool:
-        """True once ``ticket``'s copy has finished (``wait`` would not block)."""
+        """True once ``ticket``'s copy has finished (``wait`` would not block). Never raises: a
+        failed copy is finished, and ``wait`` raises its error."""
 
     @abstractmethod
     def wait(self, ticket: Ticket) -> torch.Tensor | None:
         """Block until ``ticket`` has landed; a copy in returns its 1-D ``uint8`` tensor. A failed
-        copy out raises ``TransferFailed`` (holding the data), a failed copy in its ``OSError``."""
+        copy out raises ``TransferFailed`` (holding the data, on its device), a failed copy in its
+        ``OSError`` (or the ``TransferFailed`` of the copy out it reads)."""
 
     @abstractmethod
     def release(self, stored: Ticket, tier: Tier) -> None:
         """Free the tier space of a copy-out ticket. Safe to call once, from any thread."""
+
+    def in_flight_limit(self, tier: Tier, requested: int) -> int | None:
+        """The bytes of copies out the session lets wait before forward waits for the oldest
+        (``requested``: the tier's or the session's limit); None when the backend bounds them
+        itself."""
+        return requested
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends own nothing to close
         """Stop worker threads (optional)."""

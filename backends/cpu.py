@@ -3,11 +3,17 @@
 The forward/backward thread only submits work. Reads of a tensor are ordered after its write by
 waiting on the write's future inside the worker; writes never wait on anything, and are always
 submitted before their reads, so a FIFO pool cannot deadlock.
+
+fork: a child process inherits the pool but none of its threads, so a copy submitted there would
+wait forever. Each backend starts a fresh pool in the child (``os.register_at_fork``); copies that
+were in flight in the parent fail in the child with a clear error instead of hanging.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,9 +37,9 @@ def write_from(tier: Tier, holder: list[torch.Tensor]) -> Any:
     return write_keeping_data(tier, holder.pop())
 
 
-def read_after_write(tier: Tier, written: Future[Any], pin_memory: bool = False) -> torch.Tensor:
+def read_after_write(tier: Tier, written: Future[Any]) -> torch.Tensor:
     """Wait for the write that produced the slot (on this worker), then read the slot back."""
-    return tier.read(written.result(), pin_memory)
+    return tier.read(written.result())
 
 
 def free_when_written(tier: Tier, written: Future[Any]) -> None:
@@ -66,14 +72,58 @@ def _start_workers(pool: ThreadPoolExecutor, workers: int) -> None:
         threading.stack_size(previous)
 
 
+class WorkerPool:
+    """A ``ThreadPoolExecutor`` that survives ``fork``: the child gets fresh threads, and the futures
+    the parent had in flight fail there (``RuntimeError``) instead of never finishing."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._executor = self._start()
+        self._in_flight: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
+        _pools.add(self)
+
+    def _start(self) -> ThreadPoolExecutor:
+        executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="acshim-offload")
+        _start_workers(executor, self.workers)
+        return executor
+
+    def submit(self, function: Any, *args: Any) -> Future[Any]:
+        future = self._executor.submit(function, *args)
+        self._in_flight.add(future)
+        return future
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _forked(self) -> None:
+        self._executor = self._start()  # the parent's executor has no threads here; left unused
+        for future in list(self._in_flight):
+            if not future.done():
+                future.set_exception(RuntimeError(FORKED_COPY))
+        self._in_flight = weakref.WeakSet()
+
+
+FORKED_COPY = ("acshim offload: this saved tensor's copy was in flight when the process forked; it belongs "
+               "to the parent process. Run backward in the process that ran the forward.")
+
+_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_pools):
+        pool._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class CpuBackend(Backend):
     """Moves CPU tensors to a tier with ``workers`` threads (the tier's I/O releases the GIL)."""
 
     def __init__(self, workers: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="acshim-offload")
-        _start_workers(self._pool, workers)
+        self._pool = WorkerPool(workers)
 
-    def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
+    def copy_out(self, data: torch.Tensor, tier: Tier, ready: Any = None) -> Ticket:
         future = self._pool.submit(write_from, tier, [data])
         return Ticket(nbytes=data.numel(), device=data.device, pending=future)
 
@@ -92,4 +142,4 @@ class CpuBackend(Backend):
         free_when_written(tier, stored.pending)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()

@@ -1,108 +1,198 @@
-"""CUDA backend: copies on a side stream into pinned host memory, ordered with CUDA events.
+"""CUDA backend: copies on two side streams (device to host, host to device) through pinned pools.
 
-Out: the side stream waits for the compute stream (so it reads finished values), copies device ->
-pinned host with ``non_blocking=True``, and ``record_stream`` keeps the device memory from being
-reused before the copy has read it. Host tier: the pinned buffer is the slot. Disk tier: a CPU
-worker waits for the copy's event, then writes the pinned buffer to the tier.
-In: pinned host -> device on the side stream; ``wait`` makes the *current* stream wait for the
-copy's event (the CPU does not block) and ``record_stream`` ties the new tensor to that stream.
+Every ordering is an event or a stream wait, never a device-wide synchronisation:
 
-Not runnable on the CPU-only machine this project is developed on: kept small, typed and reviewed;
-no GPU figure is claimed anywhere for it. Mirrors the stream discipline of torchtune's
-``OffloadActivations`` (use_streams=True) without its per-node hooks.
+- **Saved** (pack time): an event on the stream the tensor was produced on (the current stream when
+  autograd saves it). A copy out issued later (prefetch > 0 defers it to a later group, when another
+  stream may be current) waits on that event, not on whatever stream is current then.
+- **Out, host tier**: the D2H stream waits for that event and copies into a region of the host pool
+  (``PinnedPool``: reused every step, nothing pinned per copy); ``record_stream`` keeps the device
+  memory from being reused before the copy has read it. The region is the tier's slot. ``wait`` on a
+  copy out blocks the host on the copy's event, so the session's in-flight limit is real
+  back-pressure.
+- **Out, disk tier**: the same copy into a region of the staging pool (page-aligned, bounded: forward
+  waits for a region when the disk is slower than the GPU, never for a file write of its own), then
+  a worker thread waits for the copy's event, writes the region to the tier and frees it.
+- **In**: the H2D stream copies into a buffer allocated on it (host tier: after waiting for the copy
+  out's event; disk tier: a worker reads the file into a staging region, copies, and frees the
+  region once its copy has finished). ``wait`` makes the *current* stream wait for the copy's event
+  (the CPU does not block) and ``record_stream`` ties the buffer to that stream.
+- **Errors**: a failed file write keeps the tensor on its device (copied back from the staging
+  region), so backward runs as if nothing moved; a failed read raises from ``wait`` only, which the
+  session turns into ``OffloadIOError``; ``done`` never raises.
+
+Everything CUDA goes through ``runtime`` (``backends/runtime.py``): ``torch.cuda`` on a GPU, the
+happens-before simulator (``backends/simcuda.py``) in the tests, which prove that each wait and
+each ``record_stream`` here is needed. Not run on a GPU yet (none is available to this project).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
-from .base import Backend, Ticket, Tier
-from .cpu import CpuBackend, free_when_written, write_from
+from .base import Backend, Ticket, Tier, TransferFailed
+from .cpu import WorkerPool, free_when_written
+from .fileio import ALIGNMENT, padded
+from .pinned import PinnedPool, Region
+from .runtime import CudaRuntime, TorchCudaRuntime
+
+DEFAULT_STAGING_BYTES = 64 << 20
+"""Disk tier: most bytes of pinned staging in use at once (forward waits for a region beyond it)."""
+STAGING_SLAB_BYTES = 8 << 20
+"""Disk tier: staging grows by at least this much. How many copies wait for the disk at once depends
+on thread timing, not only on the schedule; slabs this large absorb that, so a steady state pins
+nothing new (the host tier's pool, whose regions are the tier itself, grows by need only)."""
 
 
-def _write_after(event: torch.cuda.Event, tier: Tier, holder: list[torch.Tensor]) -> object:
-    event.synchronize()
-    return write_from(tier, holder)
+class Ready:
+    """A saved tensor's production point: an event recorded on its stream at pack time."""
 
+    __slots__ = ("event", "stream")
 
-def _read_then_upload(tier: Tier, written: Future[object], device: torch.device,
-                      stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.cuda.Event]:
-    host = tier.read(written.result(), True)
-    with torch.cuda.stream(stream):
-        result = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        result.copy_(host, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return result, event
+    def __init__(self, event: Any, stream: Any) -> None:
+        self.event, self.stream = event, stream
 
 
 class CudaBackend(Backend):
-    """Transfers for tensors on one CUDA device."""
+    """Transfers for tensors on one CUDA device (or the simulator's stand-in for one)."""
 
-    def __init__(self, device: torch.device, workers: int = 2) -> None:
+    def __init__(self, device: torch.device, runtime: CudaRuntime | None = None, workers: int = 2,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device)
-        self._disk_io = CpuBackend(workers)
+        self.runtime = runtime if runtime is not None else TorchCudaRuntime()
+        self._d2h = self.runtime.Stream(self.device)
+        self._h2d = self.runtime.Stream(self.device)
+        self.host_pool = PinnedPool(self.runtime.pin)
+        """The host tier's slots."""
+        self.staging = PinnedPool(self.runtime.pin, alignment=ALIGNMENT, capacity=staging_bytes,
+                                  min_slab=min(STAGING_SLAB_BYTES, staging_bytes))
+        """The disk tier's staging regions (aligned for O_DIRECT, bounded)."""
+        self._io = WorkerPool(workers)
 
-    def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
-        with torch.cuda.stream(self.stream):
-            host.copy_(data, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        data.record_stream(self.stream)
-        ticket = Ticket(nbytes=data.numel(), device=data.device)
+    # ------------------------------------------------------------------------------------ out
+
+    def saved(self, data: torch.Tensor) -> Ready:
+        stream = self.runtime.current_stream(self.device)
+        event = self.runtime.Event()
+        event.record(stream)
+        return Ready(event, stream)
+
+    def copy_out(self, data: torch.Tensor, tier: Tier, ready: Any = None) -> Ticket:
+        if ready is None:
+            ready = self.saved(data)
+        nbytes = data.numel()
         if tier.kind == "host":
-            ticket.slot, ticket.pending = tier.write(host), event
+            region = self.host_pool.take(nbytes)
         else:
-            ticket.pending = self._disk_io._pool.submit(_write_after, event, tier, [host])
+            region = self.staging.take(padded(nbytes))
+        runtime = self.runtime
+        self._d2h.wait_event(ready.event)
+        with runtime.stream(self._d2h):
+            runtime.copy(region.bytes(nbytes), data)
+            landed = runtime.Event()
+            landed.record(self._d2h)
+        runtime.record_stream(data, self._d2h)
+        ticket = Ticket(nbytes=nbytes, device=data.device)
+        if tier.kind == "host":
+            ticket.slot, ticket.pending = region, landed
+        else:
+            ticket.pending = self._io.submit(self._write_staged, tier, landed, region, nbytes, ready.stream)
         return ticket
+
+    def _write_staged(self, tier: Tier, landed: Any, region: Region, nbytes: int, home: Any) -> Any:
+        """Worker: write a staged copy to the tier once it has landed; on failure keep the tensor on
+        its device (a copy of the staged bytes, usable by ``home``, the stream it was made on)."""
+        try:
+            landed.synchronize()
+            try:
+                return tier.write(region.bytes(nbytes))
+            except OSError as error:
+                raise TransferFailed(error, self._back_to_device(region, nbytes, home)) from error
+        finally:
+            self.staging.give(region)
+
+    def _back_to_device(self, region: Region, nbytes: int, home: Any) -> torch.Tensor:
+        runtime = self.runtime
+        with runtime.stream(self._h2d):
+            kept = runtime.empty(nbytes, self.device)
+            runtime.copy(kept, region.bytes(nbytes))
+            copied = runtime.Event()
+            copied.record(self._h2d)
+        copied.synchronize()  # the staging region is given back next, and the tensor used at once
+        runtime.record_stream(kept, home)
+        return kept
+
+    # ------------------------------------------------------------------------------------- in
 
     def copy_in(self, stored: Ticket, tier: Tier) -> Ticket:
         ticket = Ticket(nbytes=stored.nbytes, device=stored.device, source=stored)
         if isinstance(stored.pending, Future):  # disk: a worker reads, then uploads
-            ticket.pending = self._disk_io._pool.submit(_read_then_upload, tier, stored.pending,
-                                                        self.device, self.stream)
+            ticket.pending = self._io.submit(self._read_staged, tier, stored.pending, stored.nbytes)
             return ticket
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(stored.pending)
-            ticket.result = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
-            ticket.result.copy_(tier.read(stored.slot), non_blocking=True)
-            ticket.pending = torch.cuda.Event()
-            ticket.pending.record(self.stream)
+        runtime = self.runtime
+        self._h2d.wait_event(stored.pending)
+        with runtime.stream(self._h2d):
+            ticket.result = runtime.empty(stored.nbytes, self.device)
+            runtime.copy(ticket.result, stored.slot.bytes(stored.nbytes))
+            ticket.pending = runtime.Event()
+            ticket.pending.record(self._h2d)
         return ticket
 
+    def _read_staged(self, tier: Tier, written: Future[Any], nbytes: int) -> tuple[torch.Tensor, Any]:
+        """Worker: read a slot into a staging region and upload it; the region is free again once
+        the upload has read it."""
+        slot = written.result()  # a failed write raises TransferFailed (holding the kept tensor)
+        region = self.staging.take(padded(nbytes), block=False)  # never waits on other workers' writes
+        try:
+            tier.read_into(slot, region.bytes(padded(nbytes)))
+            runtime = self.runtime
+            with runtime.stream(self._h2d):
+                result = runtime.empty(nbytes, self.device)
+                runtime.copy(result, region.bytes(nbytes))
+                arrived = runtime.Event()
+                arrived.record(self._h2d)
+            arrived.synchronize()
+        finally:
+            self.staging.give(region)
+        return result, arrived
+
+    # ---------------------------------------------------------------------------------- both
+
     def done(self, ticket: Ticket) -> bool:
-        if isinstance(ticket.pending, Future):
-            if not ticket.pending.done():
-                return False
-            if ticket.source is None:
-                return True
-            return ticket.pending.result()[1].query()
-        return ticket.pending.query()
+        pending = ticket.pending
+        if isinstance(pending, Future):
+            return pending.done()  # a failed copy is done too: ``wait`` raises its error
+        return bool(pending.query())
 
     def wait(self, ticket: Ticket) -> torch.Tensor | None:
-        if isinstance(ticket.pending, Future):
-            value = ticket.pending.result()
+        pending = ticket.pending
+        if isinstance(pending, Future):
+            value = pending.result()
             if ticket.source is None:
                 return None
             ticket.result, ticket.pending = value
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(ticket.pending)
-        if ticket.result is None:
+        elif ticket.source is None:
+            pending.synchronize()  # back-pressure: the device bytes are free once their copy landed
             return None
-        ticket.result.record_stream(current)
+        current = self.runtime.current_stream(self.device)
+        current.wait_event(ticket.pending)
+        self.runtime.record_stream(ticket.result, current)
         return ticket.result
 
     def release(self, stored: Ticket, tier: Tier) -> None:
         if isinstance(stored.pending, Future):
             free_when_written(tier, stored.pending)
-        else:
-            tier.free(stored.slot)
+        elif stored.slot is not None:
+            self.host_pool.give(stored.slot)
             stored.slot = None
 
+    def in_flight_limit(self, tier: Tier, requested: int) -> int | None:
+        # Disk tier: the staging pool bounds what waits for the disk (forward waits for a region),
+        # so the session need not wait for file writes; host tier: the session's bytes in flight.
+        return None if tier.kind == "disk" else requested
+
     def close(self) -> None:
-        self._disk_io.close()
+        self._io.shutdown()

@@ -31,9 +31,9 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def aligned_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+def aligned_empty(nbytes: int) -> torch.Tensor:
     """A 1-D ``uint8`` CPU tensor of ``padded(nbytes)`` bytes starting at an ``ALIGNMENT`` boundary."""
-    raw = torch.empty(padded(nbytes) + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = torch.empty(padded(nbytes) + ALIGNMENT, dtype=torch.uint8)
     shift = -raw.data_ptr() % ALIGNMENT
     return raw[shift:shift + padded(nbytes)]
 

@@ -1,5 +1,8 @@
 """A test backend that simulates transfer time, so prefetch overlap is measurable on a CPU.
 
+Latency only: it models no streams and no ordering (``backends/simcuda.py`` does, behind the real
+``CudaBackend``). Tests say which of the two they use.
+
 It models one DMA link of ``1 / seconds_per_byte`` bytes per second: each copy is queued behind the
 previous one on the link and *finishes at a deadline* (start + ``nbytes * seconds_per_byte``), like
 a real transfer that needs no CPU. ``done`` compares the clock with the deadline; ``wait`` sleeps
@@ -13,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,7 +51,7 @@ class SimulatedBackend(Backend):
             self.log.append(TransferRecord(direction, nbytes, start, end))
             return end
 
-    def copy_out(self, data: torch.Tensor, tier: Tier) -> Ticket:
+    def copy_out(self, data: torch.Tensor, tier: Tier, ready: Any = None) -> Ticket:
         ticket = Ticket(nbytes=data.numel(), device=data.device, pending=self._schedule("out", data.numel()))
         try:
             ticket.slot = tier.write(data)

@@ -13,6 +13,10 @@
 // Each worker's bounce buffer is its own anonymous mapping of kBounceBytes, kept once touched: small, so
 // what a process holds for it is little, and steady, so a memory budget's guard, sampling the process
 // between operators, sees it (a buffer touched and given back while a copy is in flight would not be).
+//
+// fork: a child process inherits the engine object but none of its threads (and maybe a locked mutex).
+// The first submit in another process leaves the parent's state behind (never destroyed: its mutex
+// may be held, its threads cannot be joined) and starts fresh threads, so a child never hangs.
 
 #include <pybind11/pybind11.h>
 
@@ -28,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <sys/mman.h>
+#include <sys/types.h>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -108,44 +113,68 @@ int read_all(int fd, char* data, std::size_t n, off_t offset) {
 
 class Engine {
  public:
-  explicit Engine(int threads) {
-    if (threads < 1) threads = 1;
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
-  }
+  explicit Engine(int threads) : threads_(threads < 1 ? 1 : threads) { start(); }
 
   ~Engine() {
+    if (state_->pid != ::getpid()) return;  // a forked child's copy: nothing of the parent to stop
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stopping = true;
     }
-    wake_.notify_all();
+    state_->wake.notify_all();
     for (auto& worker : workers_) worker.join();
   }
 
   std::shared_ptr<Job> submit(bool write, int fd, std::uintptr_t address, std::size_t nbytes,
                               std::int64_t offset, bool direct) {
+    // Called with the GIL held (no call_guard): submits are serialised, and none is under way when
+    // the process forks (os.fork holds the GIL too), so the check needs no lock of its own.
+    if (state_->pid != ::getpid()) restart_after_fork();
     auto job = std::make_shared<Job>();
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(Request{write, fd, reinterpret_cast<char*>(address), nbytes,
-                               static_cast<off_t>(offset), direct, job});
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->queue.push_back(Request{write, fd, reinterpret_cast<char*>(address), nbytes,
+                                      static_cast<off_t>(offset), direct, job});
     }
-    wake_.notify_one();
+    state_->wake.notify_one();
     return job;
   }
 
  private:
-  void run() {
+  // What the workers share: one per process (a child gets its own, see restart_after_fork).
+  struct State {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Request> queue;
+    bool stopping = false;
+    pid_t pid = ::getpid();
+  };
+
+  void start() {
+    state_ = std::make_shared<State>();
+    for (int i = 0; i < threads_; ++i) workers_.emplace_back([state = state_] { run(*state); });
+  }
+
+  void restart_after_fork() {
+    // The parent's threads do not exist here: their handles cannot be joined (std::terminate) nor
+    // its state freed (a worker may have held the mutex at fork). Both are left behind, once.
+    new std::vector<std::thread>(std::move(workers_));
+    new std::shared_ptr<State>(std::move(state_));
+    workers_.clear();
+    start();
+  }
+
+  static void run(State& state) {
     void* mapped = ::mmap(nullptr, kBounceBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    char* bounce = mapped == MAP_FAILED ? nullptr : static_cast<char*>(mapped);
+    char* bounce = mapped == MAP_FAILED ? nullptr : static_cast<char*>(mapped);  // page-aligned: O_DIRECT's too
     for (;;) {
       Request request;
       {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) break;
-        request = std::move(queue_.front());
-        queue_.pop_front();
+        std::unique_lock<std::mutex> lock(state.mutex);
+        state.wake.wait(lock, [&state] { return state.stopping || !state.queue.empty(); });
+        if (state.queue.empty()) break;
+        request = std::move(state.queue.front());
+        state.queue.pop_front();
       }
       int error = bounce == nullptr ? ENOMEM : (request.write ? do_write(request, bounce) : do_read(request, bounce));
       request.job->finish(error);
@@ -191,11 +220,9 @@ class Engine {
     return 0;
   }
 
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Request> queue_;
+  int threads_;
+  std::shared_ptr<State> state_;
   std::vector<std::thread> workers_;
-  bool stopping_ = false;
 };
 
 }  // namespace

@@ -9,9 +9,10 @@ unlinked files, ``O_DIRECT``). Transfers run on ``acshim.backends``; disk I/O on
 extension in ``csrc/`` or its Python fallback (``native.status()``).
 
 Modules: ``scopes`` (public contexts), ``session`` (pack/unpack glue), ``scheduler`` (prefetch
-window), ``layout`` (bytes of a tensor and its rebuild), ``host``/``disk`` (tiers), ``native``
-(extension loader), ``defaults`` (engine-wide defaults facades write), ``versions`` (torch's
-in-place check, which hooks switch off), ``reaper`` (frees space off the main thread, Ctrl-C safe).
+window), ``layout`` (bytes of a tensor and its rebuild), ``residents`` (parameters and buffers,
+which stay), ``host``/``disk`` (tiers), ``native`` (extension loader), ``defaults`` (engine-wide
+defaults facades write), ``versions`` (torch's in-place check, which hooks switch off), ``reaper``
+(frees space off the main thread, Ctrl-C safe).
 """
 
 from __future__ import annotations

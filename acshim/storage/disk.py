@@ -14,6 +14,11 @@ write); otherwise written ranges are flushed and dropped with ``posix_fadvise(DO
 memory really leaves the machine's RAM either way (``direct=False`` forces that path).
 
 The byte I/O is done by the native engine or its Python fallback (``acshim.storage.native``).
+
+fork: a child inherits the descriptors of its parent's chunk files, which share the parent's space.
+The child never writes into, truncates or punches them: each tier starts a new chunk file in the
+child (``os.register_at_fork``), and a parent's file is only read there (graphs made before the
+fork) and closed when the child's last slot in it is freed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,13 +62,15 @@ class _File:
     """One open, unlinked chunk file: slots below ``end``, freed ranges in ``holes`` (sorted
     ``[offset, size]``, coalesced, never touching ``end``)."""
 
-    __slots__ = ("fd", "direct", "end", "live", "holes", "punch")
+    __slots__ = ("fd", "direct", "end", "live", "holes", "punch", "pid")
 
     def __init__(self, fd: int, direct: bool) -> None:
         self.fd, self.direct, self.end, self.live = fd, direct, 0, 0
         self.holes: list[list[int]] = []
         self.punch = True
         """False once the filesystem refused to punch a hole."""
+        self.pid = os.getpid()
+        """The process that created the file: only it may change the file (see fork above)."""
 
     def take_hole(self, size: int) -> int | None:
         """The offset of the first freed range that fits ``size`` bytes (now used), or None."""
@@ -156,11 +164,30 @@ def open_private_file(base: str, direct: bool) -> tuple[int, bool]:
 class _Chunks:
     """A tier's chunk files and lock; the reaper closes the current one when the tier dies."""
 
-    __slots__ = ("lock", "current")
+    __slots__ = ("lock", "current", "__weakref__")
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.current: _File | None = None
+        _all_chunks.add(self)
+
+    def forked(self) -> None:
+        """In a forked child: the parent's current file is not ours to grow; start a new one."""
+        self.lock = threading.RLock()  # a parent thread may have held it at the fork
+        file, self.current = self.current, None
+        if file is not None and file.live == 0:
+            os.close(file.fd)
+
+
+_all_chunks: weakref.WeakSet[_Chunks] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for chunks in list(_all_chunks):
+        chunks.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _retire(chunks: _Chunks) -> None:
@@ -219,14 +246,19 @@ class DiskTier:
             raise
         return slot
 
-    def read(self, slot: FileSlot, pin_memory: bool = False) -> torch.Tensor:
+    def read(self, slot: FileSlot) -> torch.Tensor:
+        """The slot's bytes in a new CPU tensor."""
+        out = aligned_empty(slot.nbytes) if slot.file.direct else torch.empty(slot.nbytes, dtype=torch.uint8)
+        return self.read_into(slot, out)
+
+    def read_into(self, slot: FileSlot, out: torch.Tensor) -> torch.Tensor:
+        """Read the slot into ``out`` (1-D ``uint8``; page-aligned and at least ``padded(nbytes)``
+        long when the file is ``O_DIRECT``, as a staging region is); returns its first bytes."""
         if slot.file.direct:
-            out = aligned_empty(slot.nbytes, pin_memory)
-            self.io.read(slot.file.fd, out, slot.offset, True)
-            return out[:slot.nbytes]
-        out = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-        self.io.read(slot.file.fd, out, slot.offset, False)
-        return out
+            self.io.read(slot.file.fd, out[:padded(slot.nbytes)], slot.offset, True)
+        else:
+            self.io.read(slot.file.fd, out[:slot.nbytes], slot.offset, False)
+        return out[:slot.nbytes]
 
     def free(self, slot: FileSlot) -> None:
         """Free a slot: later slots reuse its range, and a freed tail goes back to the filesystem
@@ -234,6 +266,10 @@ class DiskTier:
         with self._chunks.lock:
             file = slot.file
             file.live -= 1
+            if file.pid != os.getpid():  # a parent's file, in a forked child: never change it
+                if file.live == 0:
+                    os.close(file.fd)
+                return
             if file.live:
                 size = padded(slot.nbytes)
                 if slot.offset + size < file.end and file.punch:  # before give_back: not yet reusable

@@ -1,7 +1,7 @@
 """The host tier: bytes live in (pinned) host memory.
 
-The backend does the copying (a CUDA side stream into pinned memory); the tier only holds the
-buffer. CPU tensors never reach it: on the CPU they already are in host memory, so the session keeps
+The backend does the copying (a CUDA side stream into regions of its pinned pool, which are the
+slots); the tier only names the kind. CPU tensors never reach it: on the CPU they already are in host memory, so the session keeps
 them where they are, at no cost (torch's ``save_on_cpu`` copies them, +34% held on this machine).
 """
 
@@ -18,7 +18,7 @@ class HostTier:
     def write(self, data: torch.Tensor) -> torch.Tensor:
         return data
 
-    def read(self, slot: torch.Tensor, pin_memory: bool = False) -> torch.Tensor:
+    def read(self, slot: torch.Tensor) -> torch.Tensor:
         return slot
 
     def free(self, slot: torch.Tensor) -> None:

@@ -9,10 +9,15 @@ Python path (``acshim.backends.fileio.PythonFileIO``) is used, with one warning 
 
 ``ACSHIM_NATIVE=0`` forces the Python path (tests run both); ``ACSHIM_NATIVE=1`` makes a failed
 build an error instead of a fallback.
+
+The extension's name carries a hash of its sources: torch's cache is keyed by name, and two acshim
+versions (or checkouts) sharing one cache under one name rebuilt it in turn, each process loading
+whichever build was there, an engine that could be another version's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -26,8 +31,8 @@ import torch
 from ..backends.fileio import PythonFileIO
 
 ENVIRONMENT_VARIABLE = "ACSHIM_NATIVE"
-FILEIO_EXTENSION = "acshim_fileio"
-PACK_EXTENSION = "acshim_pack"
+FILEIO_SOURCES = ("fileio.cpp",)
+PACK_SOURCES = ("pack.cpp", "pack.cu")
 IO_THREADS = 2
 
 
@@ -86,7 +91,7 @@ class _Loader:
             try:
                 from torch.utils.cpp_extension import load
 
-                self.module = load(name=FILEIO_EXTENSION, sources=[_source("fileio.cpp")],
+                self.module = load(name=FILEIO_EXTENSION, sources=[_source(name) for name in FILEIO_SOURCES],
                                    extra_cflags=["-O2", "-std=c++17"], verbose=verbose)
                 self.reason = f"compiled extension {FILEIO_EXTENSION} loaded"
             except Exception as error:  # any compiler/toolchain failure means: use the Python path
@@ -104,6 +109,26 @@ class _Loader:
 
 
 _loader = _Loader()
+
+
+def _extension_name(stem: str, sources: tuple[str, ...]) -> str:
+    """``stem`` and the first 12 hex digits of the sources' SHA-256 (see the module docstring)."""
+    digest = hashlib.sha256()
+    for name in sources:
+        digest.update(resources.files("acshim._csrc").joinpath(name).read_bytes())
+    return f"{stem}_{digest.hexdigest()[:12]}"
+
+
+FILEIO_EXTENSION = _extension_name("acshim_fileio", FILEIO_SOURCES)
+PACK_EXTENSION = _extension_name("acshim_pack", PACK_SOURCES)
+
+
+def _after_fork_in_child() -> None:
+    _loader.lock = threading.Lock()  # another thread may have held it at the fork; the engine restarts
+    # its own threads on its first use in the child (csrc/fileio.cpp)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _source(name: str) -> str:
@@ -161,7 +186,7 @@ def pack_module() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load
 
-                module = load(name=PACK_EXTENSION, sources=[_source("pack.cpp"), _source("pack.cu")],
+                module = load(name=PACK_EXTENSION, sources=[_source(name) for name in PACK_SOURCES],
                               extra_cuda_cflags=["-O2"])
             except Exception as error:  # fall back to torch ops, same bytes
                 warnings.warn(f"acshim: CUDA pack kernels unavailable ({error}); using torch ops", RuntimeWarning,

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
+from ..backends.pinned import install_settle
+
 _log = logging.getLogger(__name__)
 
 
@@ -30,12 +32,21 @@ class Reaper:
         self._pending: dict[weakref.ref[Any], tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._running = False
 
     def watch(self, owner: Any, release: Callable[..., Any], *args: Any) -> None:
         """Call ``release(*args)`` once ``owner`` is gone (on the reaper thread)."""
         self._pending[weakref.ref(owner, self._queue.put)] = (release, args)
         if self._thread is None:
             self._start()
+
+    def settle_pending(self) -> bool:
+        """``settle()`` if a release is queued or running, else return at once (a cheap check).
+        Pinned pools call it before each region they hand out: a step starting right after the
+        previous backward then finds every region that backward freed, in the same place."""
+        if self._queue.empty() and not self._running:
+            return True
+        return self.settle()
 
     def settle(self, timeout: float = 10.0) -> bool:
         """Wait until every release queued so far has run, and those they led to (a tier dies
@@ -64,8 +75,10 @@ class Reaper:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            self._running = True
             if isinstance(item, threading.Event):
                 item.set()
+                self._running = False
                 continue
             release, args = self._pending.pop(item, (None, ()))
             try:
@@ -74,6 +87,7 @@ class Reaper:
             except Exception:  # a failed close must not stop later releases
                 _log.exception("acshim offload: releasing a saved tensor's storage failed")
             del item, release, args
+            self._running = False
 
     def _forked(self) -> None:
         self._thread = None  # threads do not survive fork: start again on the next watch
@@ -82,3 +96,4 @@ class Reaper:
 
 REAPER = Reaper()
 os.register_at_fork(after_in_child=REAPER._forked)
+install_settle(REAPER.settle_pending)  # pinned pools let releases of dead graphs land first

@@ -16,6 +16,7 @@ from .defaults import check_directory_argument, check_flag, get_defaults, valida
 from .disk import DiskTier, check_directory
 from .errors import OffloadIOError
 from .host import HostTier
+from .residents import BUFFERS
 from .session import OffloadSession, OffloadStats, _opt_out, _recorders
 from .versions import keep, unpack_kept
 
@@ -112,7 +113,12 @@ class OffloadActivations:
     def __enter__(self) -> OffloadActivations:
         session = self.options.session(self._tier, per_tensor_groups=True)
         hooks = saved_tensors_hooks(session.pack, session.unpack)
-        hooks.__enter__()
+        BUFFERS.enter()  # note the buffers of the modules this forward calls: they stay
+        try:
+            hooks.__enter__()
+        except BaseException:
+            BUFFERS.exit()
+            raise
         self._active.append((session, hooks))
         self.session = session
         return self
@@ -120,12 +126,27 @@ class OffloadActivations:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         session, hooks = self._active.pop()
-        hooks.__exit__(exc_type, exc, traceback)
+        try:
+            hooks.__exit__(exc_type, exc, traceback)
+        finally:
+            BUFFERS.exit()
         if exc_type is None:
             session.forward_end()
             return
-        with contextlib.suppress(OffloadIOError):  # forward failed: its exception is the one to see
-            session.forward_end()  # but let the copies finish, so the files are freed with the graph
+        finish_after_failure(session, exc)
+
+
+def finish_after_failure(session: OffloadSession, exc: BaseException | None) -> None:
+    """Forward failed: let its copies out finish (so their files are freed with the graph), keeping
+    the user's exception the one raised. A failed write is dropped (its tensor is kept in memory); any
+    other error met while waiting (a CUDA error: maybe the failure's own cause, reported again) is
+    attached to the user's exception as a note."""
+    try:
+        session.forward_end()
+    except Exception as error:  # whatever it is, the forward's own error is the one to see
+        if exc is not None and not isinstance(error, OffloadIOError):
+            exc.add_note(f"acshim offload: while waiting for this forward's copies after the error: "
+                         f"{type(error).__name__}: {error}")
 
 
 def offload(storage: str | None = None, prefetch: int | None = None, directory: str | None = None,

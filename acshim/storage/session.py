@@ -1,8 +1,10 @@
 """One offload scope at work: the pack/unpack pair autograd calls, tiers, backends and the schedule.
 
 ``pack`` runs when autograd saves a tensor in forward: it decides whether the tensor moves (tier,
-size floor, parameters stay), groups it, and issues its copy out when the schedule says so; it
-returns a ``StoredTensor`` handle that autograd keeps. ``unpack`` runs when backward needs it: it
+size floor, parameters and buffers stay), groups it, and issues its copy out when the schedule says
+so; it returns a ``StoredTensor`` handle that autograd keeps. A tensor whose bytes are already
+moving for another view of the same storage (q, k and v of one ``split``; the same tensor saved
+twice) gets a ``StoredView`` of that handle instead: every storage byte moves once. ``unpack`` runs when backward needs it: it
 issues the prefetch window, waits for this tensor's copy in (usually long finished) and rebuilds it
 bit for bit. When autograd frees the handle, the tier space is released (on the ``reaper`` thread).
 Bound methods, not closures in ``__init__`` (torchtune's weak spot): each step is testable alone.
@@ -22,7 +24,7 @@ import torch
 from ..backends import Backend, TransferFailed, backend_for
 from ..backends.base import Ticket, Tier
 from .errors import OffloadIOError
-from .layout import Layout, from_bytes, movable, to_bytes
+from .layout import Layout, from_bytes, movable, to_bytes, view_layout
 from .reaper import REAPER
 from .scheduler import PrefetchScheduler
 from .versions import modified_error, version_probe
@@ -70,28 +72,20 @@ class OffloadStats:
     unpacks: deque[UnpackRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
 
-class StoredTensor:
-    """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
+class _Saved:
+    """What every handle knows of the tensor autograd saved: its layout and its version."""
 
-    __slots__ = ("layout", "backend", "version", "probe", "grad_fn_name", "source", "group", "data", "out",
-                 "incoming", "uses", "pending_uses", "__weakref__")
+    __slots__ = ("layout", "version", "probe", "grad_fn_name", "source")
 
-    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, tensor: torch.Tensor) -> None:
+    def __init__(self, layout: Layout, tensor: torch.Tensor) -> None:
         self.layout = layout
-        self.backend = backend
         self.version = tensor._version
         self.probe = version_probe(tensor)
         """Shares the saved tensor's version counter, holds none of its memory: unpack compares
         ``version`` with it, also after the tensor itself is gone (see ``versions.version_probe``)."""
         self.grad_fn_name = _grad_fn_name_after_change(tensor)
         self.source = weakref.ref(tensor)
-        """The saved tensor itself, weakly: the ``_already_saved`` lookup, and torch's error text."""
-        self.group = -1
-        self.data: torch.Tensor | None = data
-        """The bytes while resident (not sent out yet), or kept after a failed write."""
-        self.out: Ticket | None = None
-        self.incoming: Ticket | None = None
-        self.uses = self.pending_uses = 1
+        """The saved tensor itself, weakly: torch's error text names it while it lives."""
 
     def modified(self) -> bool:
         """True if the saved tensor (or a view or base of it) was changed in place since it was saved."""
@@ -106,6 +100,34 @@ class StoredTensor:
         if source is not None:
             return modified_error(source, self.version)
         return modified_error(self.probe, self.version, self.layout.shape, self.grad_fn_name)
+
+
+class StoredTensor(_Saved):
+    """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
+
+    __slots__ = ("backend", "group", "data", "ready", "out", "incoming", "uses", "pending_uses", "__weakref__")
+
+    def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, tensor: torch.Tensor) -> None:
+        super().__init__(layout, tensor)
+        self.backend = backend
+        self.group = -1
+        self.data: torch.Tensor | None = data
+        """The bytes while resident (not sent out yet), or kept after a failed write."""
+        self.ready: Any = backend.saved(data)
+        """Where the bytes were produced (``Backend.saved``), until the copy out is issued."""
+        self.out: Ticket | None = None
+        self.incoming: Ticket | None = None
+        self.uses = self.pending_uses = 1
+
+
+class StoredView(_Saved):
+    """What autograd keeps for a tensor whose bytes move with another handle's (``owner``)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, layout: Layout, owner: StoredTensor, tensor: torch.Tensor) -> None:
+        super().__init__(layout, tensor)
+        self.owner = owner
 
 
 class OffloadSession:
@@ -129,7 +151,10 @@ class OffloadSession:
         self._writing_bytes = 0
         self.max_bytes_in_flight: int = getattr(tier, "max_bytes_in_flight", DEFAULT_BYTES_IN_FLIGHT)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[StoredTensor]]] = {}
+        """id of a saved tensor's base (itself, or what it views) -> the handle moving its bytes."""
         self._prune_seen_at = self.PRUNE_SEEN_AT
+        self._last: weakref.ref[StoredTensor] | None = None
+        """The most recent handle moving bytes (see ``_already_moving``)."""
         self._lock = threading.RLock()
         _notify_recorders(self)
 
@@ -143,7 +168,8 @@ class OffloadSession:
         return backend_for(tensor.device)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """saved_tensors_hooks pack: a ``StoredTensor`` for a moved tensor, else ``(tensor, version)``."""
+        """saved_tensors_hooks pack: a ``StoredTensor`` (or ``StoredView``) for a moved tensor, else
+        ``(tensor, version)``."""
         with self._lock:
             self.stats.saved += 1
             backend = None if opted_out() or not movable(tensor, self.min_bytes) else self._backend_for(tensor)
@@ -151,15 +177,12 @@ class OffloadSession:
                 self.stats.kept += 1
                 return tensor, tensor._version
             self.raise_write_errors(wait=False)
-            handle = self._already_saved(tensor)
-            if handle is not None:
-                handle.uses += 1
-                handle.pending_uses += 1
-                self.scheduler.regroup(handle, sent_out=handle.out is not None)
-                return handle
+            shared = self._already_moving(tensor)
+            if shared is not None:
+                return shared
             data, layout = to_bytes(tensor)
             handle = StoredTensor(layout, backend, data, tensor)
-            self._remember(tensor, handle.source, handle)
+            self._remember(tensor, handle)
             self.stats.moved += 1
             self.stats.moved_bytes += layout.nbytes
             if self.per_tensor_groups:
@@ -177,24 +200,55 @@ class OffloadSession:
     def _send_out(self, handle: StoredTensor) -> None:
         if handle.data is None or handle.out is not None:
             return
-        handle.out = handle.backend.copy_out(handle.data, self.tier)
-        handle.data = None
+        handle.out = handle.backend.copy_out(handle.data, self.tier, handle.ready)
+        handle.data = handle.ready = None
         REAPER.watch(handle, handle.backend.release, handle.out, self.tier)
         self.scheduler.sent_out(handle)
         self._writing.append((weakref.ref(handle), handle.backend, handle.out, handle.layout.nbytes))
         self._writing_bytes += handle.layout.nbytes
         self.stats.sent_out += 1
-        if self._writing_bytes > self.max_bytes_in_flight:
+        if self._over_limit():
             self.raise_write_errors(wait=False)
 
-    def _already_saved(self, tensor: torch.Tensor) -> StoredTensor | None:
-        entry = self._seen.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            return None
-        handle = entry[1]()
-        return handle if handle is not None and handle.version == tensor._version else None
+    def _over_limit(self) -> bool:
+        """More bytes wait to be copied out than the oldest copy's backend lets wait."""
+        if not self._writing:
+            return False
+        limit = self._writing[0][1].in_flight_limit(self.tier, self.max_bytes_in_flight)
+        return limit is not None and self._writing_bytes > limit
 
-    def _remember(self, tensor: torch.Tensor, source: weakref.ref[torch.Tensor], handle: StoredTensor) -> None:
+    def _already_moving(self, tensor: torch.Tensor) -> StoredTensor | StoredView | None:
+        """The handle for ``tensor`` if its bytes already move with an earlier save of the same
+        storage, unchanged since: the same handle for the same tensor, a ``StoredView`` for another
+        view of it. Two routes: a view of the same base (views share the base's version counter,
+        so an equal version says the bytes are unchanged), or an alias of the storage the previous
+        move came from (one op's outputs, saved one after the other: the outputs of ``split`` seen
+        by a dispatch mode, where views carry no base and no shared counter)."""
+        base = tensor._base if tensor._base is not None else tensor
+        entry = self._seen.get(id(base))
+        handle = entry[1]() if entry is not None and entry[0]() is base else None
+        if handle is None or handle.version != tensor._version:
+            handle = None if torch.compiler.is_compiling() else self._last_moved()  # no storages while tracing
+            if handle is None or handle.modified() or not _same_storage(handle.source(), tensor):
+                return None
+        source = handle.source()
+        if source is tensor or (source is not None and _same_view(source, tensor)):
+            shared: StoredTensor | StoredView = handle
+        else:
+            layout = view_layout(tensor, handle.layout)
+            if layout is None:
+                return None
+            shared = StoredView(layout, handle, tensor)
+        handle.uses += 1
+        handle.pending_uses += 1
+        self.scheduler.regroup(handle, sent_out=handle.out is not None)
+        return shared
+
+    def _last_moved(self) -> StoredTensor | None:
+        last = self._last
+        return last() if last is not None else None
+
+    def _remember(self, tensor: torch.Tensor, handle: StoredTensor) -> None:
         # No weakref callback drops dead entries: Python code run by the garbage collector swallows a
         # Ctrl-C landing in it. Entries of dead tensors are pruned here instead, amortized.
         seen = self._seen
@@ -202,7 +256,9 @@ class OffloadSession:
             for key in [key for key, (ref, _) in seen.items() if ref() is None]:
                 del seen[key]
             self._prune_seen_at = max(self.PRUNE_SEEN_AT, 2 * len(seen))
-        seen[id(tensor)] = (source, weakref.ref(handle))
+        base = tensor._base if tensor._base is not None else tensor
+        seen[id(base)] = (weakref.ref(base), weakref.ref(handle))
+        self._last = weakref.ref(handle)
 
     def raise_write_errors(self, wait: bool) -> None:
         """Collect finished copies out, waiting for the oldest while more than
@@ -211,8 +267,7 @@ class OffloadSession:
         failures: list[tuple[StoredTensor, TransferFailed]] = []
         writing = self._writing
         with self._lock:
-            while writing and (wait or self._writing_bytes > self.max_bytes_in_flight
-                               or writing[0][1].done(writing[0][2])):
+            while writing and (wait or self._over_limit() or writing[0][1].done(writing[0][2])):
                 ref, backend, ticket, nbytes = writing.popleft()
                 self._writing_bytes -= nbytes
                 try:
@@ -242,9 +297,9 @@ class OffloadSession:
             if tensor._version != version:
                 raise modified_error(tensor, version)
             return tensor
-        handle = packed
-        if handle.modified():  # bytes a background copy read may postdate the change: never use them
-            raise handle.modified_error()
+        if packed.modified():  # bytes a background copy read may postdate the change: never use them
+            raise packed.modified_error()
+        handle = packed.owner if type(packed) is StoredView else packed
         with self._lock:
             for due in self.scheduler.due_for_fetch(handle.group):
                 self._fetch(due)
@@ -256,7 +311,7 @@ class OffloadSession:
             handle.pending_uses -= 1
             if handle.pending_uses == 0:  # every saver has it: drop the loaded copy
                 handle.incoming, handle.pending_uses = None, handle.uses
-        return from_bytes(data, handle.layout)
+        return from_bytes(data, packed.layout)
 
     def _fetch(self, handle: StoredTensor) -> None:
         if handle.data is None and handle.incoming is None and handle.out is not None:
@@ -268,9 +323,9 @@ class OffloadSession:
             self.stats.unpacks.append(UnpackRecord(handle.group, True, 0.0))
             return handle.data
         ticket = handle.incoming
-        ready = handle.backend.done(ticket)
         start = time.perf_counter()
         try:
+            ready = handle.backend.done(ticket)
             data = handle.backend.wait(ticket)
         except TransferFailed as failure:
             _drop_traceback(failure)
@@ -278,12 +333,25 @@ class OffloadSession:
             raise _io_error("writing", handle.layout.nbytes, 1, self.tier, failure.error) from failure.error
         except OSError as error:
             handle.incoming = None
+            if isinstance(error, OffloadIOError):
+                raise
             raise _io_error("reading back", handle.layout.nbytes, 1, self.tier, error) from error
         waited = time.perf_counter() - start
         self.stats.unpacks.append(UnpackRecord(handle.group, ready, waited))
         self.stats.late += not ready
         self.stats.wait_seconds += waited
         return data
+
+
+def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """``a`` is alive and shares ``b``'s storage (alive, so its storage's identity is not reused)."""
+    return a is not None and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape, strides and offset (of one storage): the same bytes, read the same way."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset())
 
 
 def _grad_fn_name_after_change(tensor: torch.Tensor) -> str | None:

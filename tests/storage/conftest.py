@@ -1,8 +1,14 @@
-"""Fixtures of the storage-tier tests: a private directory for disk files, engine defaults reset."""
+"""Fixtures of the storage-tier tests: a private directory for disk files, engine defaults reset, and
+``runtime``: the test runs on the CPU backend, or on the real ``CudaBackend`` over the simulated
+CUDA runtime (``acshim.backends.simcuda``, lazy and random orders), which then moves every tensor
+(the host tier too) and fails the test on any stream-ordering violation."""
 
 from __future__ import annotations
 
+import gc
 import os
+import zlib
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -100,3 +106,52 @@ def spill_in():
 @pytest.fixture
 def mlp_input():
     return torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+
+
+@dataclass
+class Runtime:
+    """Which transfer backend a test runs on: ``sim`` is None on the CPU backend."""
+
+    name: str
+    sim: object | None = None
+    backend: object | None = None
+
+    @property
+    def host_moves(self) -> bool:
+        """True if the host tier moves these (CPU) tensors: on the simulated GPU it does."""
+        return self.sim is not None
+
+
+def simulated_cuda(order: str, seed: int = 0):
+    """A simulated CUDA runtime and the real CUDA backend on it (``device`` is the CPU)."""
+    from acshim.backends.cuda import CudaBackend
+    from acshim.backends.simcuda import SimulatedCuda
+
+    sim = SimulatedCuda(order, seed=seed)
+    return sim, CudaBackend(torch.device("cpu"), runtime=sim)
+
+
+def assert_no_violations(sim) -> None:
+    from acshim.storage.reaper import REAPER
+
+    gc.collect()
+    assert REAPER.settle()
+    violations = sim.check()
+    assert not violations, "\n".join(f"{v.kind}: {v.detail}" for v in violations[:10])
+
+
+@pytest.fixture(params=["cpu", "simulated-cuda-lazy", "simulated-cuda-random"])
+def runtime(request, monkeypatch):
+    """Run the test on the CPU backend and on the CUDA backend over the simulated runtime."""
+    if request.param == "cpu":
+        yield Runtime("cpu")
+        return
+    from acshim.storage.session import OffloadSession
+
+    sim, backend = simulated_cuda(request.param.rsplit("-", 1)[1], seed=zlib.crc32(request.node.name.encode()))
+    monkeypatch.setattr(OffloadSession, "_backend_for",
+                        lambda self, tensor: self.backend_override or backend)
+    with sim.compute():
+        yield Runtime(request.param, sim, backend)
+    assert_no_violations(sim)
+    backend.close()

@@ -1,4 +1,6 @@
-"""The transfer backends behind one interface: copy out, copy in, done, wait, release."""
+"""The transfer backends behind one interface: copy out, copy in, done, wait, release. The CPU
+backend and the latency-only ``SimulatedBackend`` here; the CUDA backend runs on the simulated CUDA
+runtime in test_simulated_cuda.py (and on a real GPU in test_cuda.py, ``pytest -m cuda``)."""
 
 from __future__ import annotations
 
@@ -59,9 +61,34 @@ def test_backend_is_picked_by_device_and_unknown_devices_are_refused():
         backend_for(torch.device("meta"))
 
 
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine (GPU: pytest -m cuda)")
+
+
+@NO_GPU
 def test_cuda_backend_is_importable_and_refuses_to_run_without_cuda():
     from acshim.backends.cuda import CudaBackend
 
     assert issubclass(CudaBackend, Backend) and not torch.cuda.is_available()
     with pytest.raises((AssertionError, RuntimeError)):  # torch: "Torch not compiled with CUDA enabled"
         CudaBackend(torch.device("cuda", 0))
+
+
+def test_the_cpu_only_checks_skip_on_a_gpu_machine(tmp_path):
+    """tests/storage/test_backends.py and test_native.py run on a machine with a GPU: the checks of
+    the CPU-only machine skip there instead of failing (torch.cuda.is_available() made True)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    script = tmp_path / "gpu_machine.py"
+    script.write_text(
+        "import sys, pytest, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', "
+        f"{str(here / 'test_backends.py')!r}, {str(here / 'test_native.py')!r}, "
+        "'-k', 'not skip_on_a_gpu_machine']))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          cwd=here.parent.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 skipped" in done.stdout, done.stdout[-2000:]

@@ -1,7 +1,8 @@
 """A saved tensor changed in place before backward: under every tier and prefetch horizon the run
 raises torch's own error, word for word, as the run without offload does (issue 8, item 1). Torch
 skips its version check when saved-tensor hooks are active, so the storage tier must do it, for
-tensors kept in place, moved ones, resident ones and ones already prefetched back."""
+tensors kept in place, moved ones, resident ones and ones already prefetched back. Tests taking
+``runtime`` also run on the CUDA backend over the simulated CUDA runtime (see conftest)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ CASES = [_input_changed, _output_changed, _parameter_changed, _changed_with_grad
 
 @pytest.mark.parametrize("storage,prefetch", TIERS)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__.strip("_"))
-def test_in_place_change_after_save_raises_torchs_error(case, storage, prefetch, disk_dir):
+def test_in_place_change_after_save_raises_torchs_error(case, storage, prefetch, disk_dir, runtime):
     torch.manual_seed(0)
     expected = _outcome(lambda: case(contextlib.nullcontext()))
     assert expected[0] == "error" and "modified by an inplace operation" in expected[1]
@@ -138,7 +139,7 @@ def test_in_place_change_after_save_raises_torchs_error(case, storage, prefetch,
 
 
 @pytest.mark.parametrize("storage,prefetch", TIERS)
-def test_inside_no_offload_too(storage, prefetch, disk_dir):
+def test_inside_no_offload_too(storage, prefetch, disk_dir, runtime):
     def case(scope):
         with scope, no_offload():
             return _input_changed(contextlib.nullcontext())
@@ -150,7 +151,7 @@ def test_inside_no_offload_too(storage, prefetch, disk_dir):
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
-def test_change_after_the_prefetch_copied_the_tensor_back(prefetch, disk_dir):
+def test_change_after_the_prefetch_copied_the_tensor_back(prefetch, disk_dir, runtime):
     """The copy in was issued (and may have landed) before the edit: only the version tells."""
     seen_fetched = []
 
@@ -184,7 +185,7 @@ def test_change_after_the_prefetch_copied_the_tensor_back(prefetch, disk_dir):
 @pytest.mark.parametrize("freed", [False, True], ids=["kept", "freed"])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("storage,prefetch", [("host", 2), ("disk", 0), ("disk", 2)])
-def test_region_boundary_inputs_changed_in_place(reentrant, storage, prefetch, freed, disk_dir):
+def test_region_boundary_inputs_changed_in_place(reentrant, storage, prefetch, freed, disk_dir, runtime):
     block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
 
     def run(scope):
@@ -212,7 +213,7 @@ def test_region_boundary_inputs_changed_in_place(reentrant, storage, prefetch, f
 
 
 @pytest.mark.parametrize("storage,prefetch", TIERS)
-def test_unchanged_tensors_still_give_bitwise_equal_gradients(storage, prefetch, disk_dir):
+def test_unchanged_tensors_still_give_bitwise_equal_gradients(storage, prefetch, disk_dir, runtime):
     """The check costs nothing in correctness: same version, same gradients as without offload."""
 
     def run(scope):

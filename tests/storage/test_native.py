@@ -49,6 +49,7 @@ def test_missing_compiler_falls_back_with_one_warning(monkeypatch):
         native.file_io(True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine (GPU: pytest -m cuda)")
 def test_cuda_pack_kernels_are_not_built_without_cuda():
     assert not torch.cuda.is_available()
     assert native.pack_module() is None

@@ -1,5 +1,7 @@
-"""Prefetch, measured with the simulated-transfer backend (copies finish at per-byte deadlines):
-H >= 1 hides the transfer time H = 0 exposes; order and horizon are respected; nothing is late."""
+"""Prefetch, measured with the latency-only ``SimulatedBackend`` (copies finish at per-byte deadlines;
+it models no streams): H >= 1 hides the transfer time H = 0 exposes; order and horizon are
+respected; nothing is late. Every test here uses that backend; stream ordering of the real CUDA
+backend is checked by the simulated CUDA runtime (test_simulated_cuda.py), not here."""
 
 from __future__ import annotations
 

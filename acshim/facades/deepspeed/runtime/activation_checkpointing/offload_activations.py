@@ -55,11 +55,18 @@ class CheckpointActivationOffloadStats:
     restored_bytes: int = 0
 
 
-@dataclass(frozen=True)
 class _Ref:
-    """What autograd keeps for a marked tensor that went to the tier."""
+    """What autograd keeps for a marked tensor that went to the tier: the tier's handle itself, so
+    the slot lives exactly as long as the graph (a table of handles kept every step's slots, and
+    their pinned memory, alive until overwritten), and the tensor once restored (a second backward
+    reads it again; it is freed with the graph)."""
 
-    tensor_id: int
+    __slots__ = ("tensor_id", "handle", "restored", "kept_last")
+
+    def __init__(self, tensor_id: int, handle: Any) -> None:
+        self.tensor_id, self.handle = tensor_id, handle
+        self.restored: torch.Tensor | None = None
+        self.kept_last = False
 
 
 class _Marker:
@@ -148,9 +155,8 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self.storage = self.scope.options.storage
         self.stats = CheckpointActivationOffloadStats()
         self._allowed: dict[int, int] = {}
-        self._handles: dict[int, Any] = {}
-        self._keep_last: dict[int, Any] = {}
-        self._restored: dict[int, torch.Tensor] = {}
+        self._keep_last: dict[int, tuple[_Ref, int]] = {}
+        """The newest ``keep_last_count`` refs of this forward (stay resident) and their bytes."""
         self._next_id = 0
         super().__init__(self._pack_tensor, self._unpack_tensor)
 
@@ -190,31 +196,28 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self._next_id += 1
         session = self.scope.session
         session.start_group()  # one group per marked tensor: the tier's horizon is keep_last_count
-        handle = session.pack(tensor)
-        self._handles[self._next_id] = handle
-        self._keep_last[self._next_id] = _nbytes(tensor)
+        ref = _Ref(self._next_id, session.pack(tensor))
+        ref.kept_last = True
+        self._keep_last[self._next_id] = (ref, _nbytes(tensor))
         while len(self._keep_last) > self.keep_last_count:  # the oldest left the resident window
+            oldest, nbytes = self._keep_last.pop(next(iter(self._keep_last)))
+            oldest.kept_last = False
             self.stats.offloaded_tensors += 1
-            self.stats.offloaded_bytes += self._keep_last.pop(next(iter(self._keep_last)))
-        return _Ref(self._next_id)
+            self.stats.offloaded_bytes += nbytes
+        return ref
 
     def _unpack_tensor(self, packed: Any) -> Any:
         if not isinstance(packed, _Ref):
             return packed
-        cached = self._restored.get(packed.tensor_id)
-        if cached is not None:  # retain_graph: a second backward reads the same tensor
-            return cached
-        handle = self._handles.get(packed.tensor_id)
-        if handle is None:
-            raise RuntimeError(f"offloaded activation {packed.tensor_id} is no longer tracked. backward() must "
-                               "run before the offload engine is reset.")
-        tensor = self.scope.session.unpack(handle)
-        if self._keep_last.pop(packed.tensor_id, None) is not None:
+        if packed.restored is not None:  # retain_graph: a second backward reads the same tensor
+            return packed.restored
+        tensor = self.scope.session.unpack(packed.handle)
+        if packed.kept_last:
             self.stats.kept_last_tensors += 1
         else:
             self.stats.restored_tensors += 1
             self.stats.restored_bytes += _nbytes(tensor)
-        self._restored[packed.tensor_id] = tensor
+        packed.restored = tensor
         return tensor
 
     def _buffer_key(self, tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -239,11 +242,10 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
     # ------------------------------------------------------------------------------- lifecycle
 
     def reset(self) -> None:
-        """Fresh stats; forget marks and restored copies (tensors in flight stay valid)."""
+        """Fresh stats; forget marks (tensors in flight stay valid: each graph holds its own)."""
         self.stats = CheckpointActivationOffloadStats()
         self._allowed.clear()
         self._keep_last.clear()
-        self._restored.clear()
         self._next_id = 0
 
     def __enter__(self) -> CheckpointHiddenStatesOffload:
@@ -278,7 +280,7 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
     def __exit__(self, *exc_info: Any) -> None:
         try:
             self._allowed.clear()
-            self._restored.clear()
+            self._keep_last.clear()  # the graph's refs remember whether they stayed resident
             if exc_info[0] is None:
                 self.scope.session.forward_end()  # copies out landed; a failed write raises here
         finally:

@@ -1,0 +1,560 @@
+"""A simulated CUDA runtime that checks stream ordering on a CPU: the proof the CUDA backend gets here.
+
+``CudaBackend(torch.device("cpu"), runtime=SimulatedCuda())`` runs the real backend code on CPU
+tensors standing for device memory. The simulator keeps CUDA's ordering rules and reports, or
+poisons, every use that real hardware would be free to get wrong:
+
+- **Streams are queues of deferred copies.** ``copy`` only enqueues. Work runs when something
+  orders it: a host ``synchronize`` (or a ``query`` that found it done), or compute that waits for
+  it. With ``order="lazy"`` nothing runs earlier (a GPU as late as allowed); with ``order="random"``
+  runnable copies also run at random moments (as early as allowed, in any order the graph allows).
+- **Events and waits form a happens-before graph** (vector clocks): ``record`` snapshots what its
+  stream has been ordered after, ``wait_event`` adds it to a stream, a host ``synchronize`` adds it
+  to the host (work issued after a host sync is ordered after what the host saw finish).
+- **Compute is eager.** Under ``compute()`` (a ``TorchDispatchMode``) every torch op is an op of the
+  current stream that runs at once: first everything that stream was ordered after runs, then the
+  op. Reading bytes whose last writer is not ordered before the reader is a violation and the
+  reader gets NaN (0xFF bytes): a missing ``wait_event`` turns into a wrong gradient.
+- **Device memory follows the caching allocator's rule**: memory used on a stream other than the one
+  it was allocated on (or produced on) must be ``record_stream``-ed for that stream if it is freed
+  while that use may still be pending. A copy whose source the program freed without it reads NaN.
+- **Pinned memory is counted** (allocations and bytes) for the pool's tests.
+
+Violations are collected in ``violations``; tests assert it stays empty. The latency-only
+``SimulatedBackend`` (``simulated.py``) stays for overlap timing: this one checks ordering only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+PAGE = 4096
+POISON = 0xFF
+"""Bytes of memory read out of order (0xFF..: NaN in every float dtype)."""
+
+Clock = dict[int, int]
+"""A vector clock: stream id -> position of the last op ordered before."""
+
+
+def _merge(into: Clock, other: Clock) -> None:
+    for stream, position in other.items():
+        if into.get(stream, 0) < position:
+            into[stream] = position
+
+
+def _covers(clock: Clock, stream: int, position: int) -> bool:
+    return clock.get(stream, 0) >= position
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One ordering rule broken: ``kind`` and what happened."""
+
+    kind: str
+    detail: str
+
+
+@dataclass
+class _Op:
+    stream: SimStream
+    position: int
+    clock: Clock
+    run: Callable[[], None] | None
+    writes: list[tuple[int, int, int]]
+    """(storage, start byte, end byte) ranges written (poisoned instead when ``poisoned``)."""
+    holds: list[torch.Tensor]
+    """Tensors the op reads or writes (the simulator's references: released once it ran)."""
+    reads: list[tuple[int, int, int]]
+    description: str
+    poisoned: bool = False
+
+
+@dataclass
+class _Storage:
+    """What the simulator knows of one storage (kept alive by a weak reference: a stable key)."""
+
+    key: int
+    owner: int | None
+    """Stream it was allocated (or produced) on; None for pinned host memory (not the allocator's)."""
+    writes: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(start, end, stream, position) of writes not superseded."""
+    uses: list[tuple[int, int]] = field(default_factory=list)
+    """(stream, position) of uses on streams other than ``owner``."""
+    recorded: set[int] = field(default_factory=set)
+    held: int = 0
+    """Tensors on this storage held by pending ops."""
+    freed: bool = False
+
+
+class SimStream:
+    """A simulated stream: ``wait_event``, ``wait_stream``, ``synchronize``, ``query``."""
+
+    def __init__(self, sim: SimulatedCuda, name: str) -> None:
+        self.sim, self.name = sim, name
+        self.id = len(sim._streams) + 1
+        self.issued = 0
+        self.executed = 0
+        self.after: Clock = {}
+        """What the next op on this stream is ordered after (its waits)."""
+        self.queue: deque[_Op] = deque()
+        sim._streams[self.id] = self
+
+    def wait_event(self, event: SimEvent) -> None:
+        with self.sim._api("wait_event"):
+            if event.clock is not None:
+                _merge(self.after, event.clock)
+
+    def wait_stream(self, stream: SimStream) -> None:
+        event = self.sim.Event()
+        event.record(stream)
+        self.wait_event(event)
+
+    def synchronize(self) -> None:
+        with self.sim._api("stream.synchronize"):
+            clock = self.sim._snapshot(self)
+            self.sim._host_sync(clock)
+
+    def query(self) -> bool:
+        with self.sim._api("stream.query"):
+            return self.sim._query(self.sim._snapshot(self))
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name})"
+
+
+class SimEvent:
+    """A simulated event: ``record``, ``synchronize``, ``query``."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        self.sim = sim
+        self.clock: Clock | None = None
+
+    def record(self, stream: SimStream | None = None) -> None:
+        with self.sim._api("event.record"):
+            self.clock = self.sim._snapshot(stream if stream is not None else self.sim._current())
+
+    def synchronize(self) -> None:
+        with self.sim._api("event.synchronize"):
+            if self.sim.fail_synchronize is not None:
+                raise self.sim.fail_synchronize
+            if self.clock is not None:
+                self.sim._host_sync(self.clock)
+
+    def query(self) -> bool:
+        with self.sim._api("event.query"):
+            return self.clock is None or self.sim._query(self.clock)
+
+
+class SimulatedCuda:
+    """The runtime ``CudaBackend`` takes (see ``backends/runtime.py``), on CPU, with ordering checks.
+
+    Args:
+        order: ``"lazy"`` (deferred work runs only when something waits for it) or ``"random"``
+            (it may also run at any moment the ordering allows).
+        seed: for ``"random"``.
+        early: in ``"random"`` order, the chance, at each call, of running one more runnable op.
+    """
+
+    def __init__(self, order: str = "lazy", seed: int = 0, early: float = 0.5) -> None:
+        if order not in ("lazy", "random"):
+            raise ValueError(f"order must be 'lazy' or 'random', got {order!r}")
+        self.order, self.early = order, early
+        self._random = random.Random(seed)
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._streams: dict[int, SimStream] = {}
+        self._storages: dict[int, _Storage] = {}
+        self._watched: dict[int, _Storage] = {}
+        """Storages used on a stream other than their owner and not yet freed."""
+        self._host: Clock = {}
+        self.default_stream = SimStream(self, "default")
+        self.violations: list[Violation] = []
+        self.pinned_allocations = 0
+        self.pinned_bytes = 0
+        self.pending_out_bytes = 0
+        """Bytes of device -> host copies issued that the host has not seen finish (device memory a
+        real GPU still holds for them while the host runs ahead: what back-pressure must bound)."""
+        self.peak_pending_out_bytes = 0
+        self._outs: deque[tuple[int, int, int]] = deque()
+        self.synchronized_by: dict[str, int] = {}
+        """Host synchronisations (event or stream) per thread name."""
+        self.fail_synchronize: BaseException | None = None
+        """Set to make every ``Event.synchronize`` raise it (a CUDA error, for error-path tests)."""
+
+    # ------------------------------------------------------------------------ the runtime API
+
+    def Stream(self, device: Any = None) -> SimStream:
+        with self._api("Stream"):
+            return SimStream(self, f"side{len(self._streams)}")
+
+    def Event(self) -> SimEvent:
+        return SimEvent(self)
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        return self._current()
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream) -> Iterator[SimStream]:
+        stack = self._stack()
+        stack.append(stream)
+        try:
+            yield stream
+        finally:
+            stack.pop()
+
+    def pin(self, nbytes: int) -> torch.Tensor:
+        with self._api("pin"):
+            self.pinned_allocations += 1
+            self.pinned_bytes += nbytes
+            raw = torch.full((nbytes + PAGE,), POISON, dtype=torch.uint8)
+            self._storage(raw, owner=None)
+            shift = -raw.data_ptr() % PAGE
+            return raw[shift:shift + nbytes]  # page-aligned, as cudaHostRegister-ed mappings are
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        with self._api("unpin"):
+            self.pinned_bytes -= tensor.numel()
+
+    def empty(self, nbytes: int, device: Any = None) -> torch.Tensor:
+        with self._api("empty"):
+            tensor = torch.full((nbytes,), POISON, dtype=torch.uint8)  # never-written memory reads as NaN
+            self._storage(tensor, owner=self._current().id)
+            return tensor
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        with self._api("record_stream"):
+            self._storage(tensor, owner=self.default_stream.id).recorded.add(stream.id)
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """``destination.copy_(source, non_blocking=True)`` on the current stream: deferred."""
+        with self._api("copy"):
+            stream = self._current()
+            reads = [self._range(source, default_owner=self.default_stream.id)]
+            writes = [self._range(destination, default_owner=stream.id)]
+            op = self._issue(stream, lambda: destination.copy_(source), reads, writes, [destination, source],
+                             f"copy {source.numel()} B on {stream.name}")
+            if self._storages[writes[0][0]].owner is None and self._storages[reads[0][0]].owner is not None:
+                self._outs.append((stream.id, op.position, source.numel()))  # device -> pinned host
+                self.pending_out_bytes += source.numel()
+                self.peak_pending_out_bytes = max(self.peak_pending_out_bytes, self.pending_out_bytes)
+
+    # ---------------------------------------------------------------------- compute (eager ops)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Every torch op run inside (on this thread) is eager compute on the current stream."""
+        with _ComputeMode(self):
+            yield
+
+    @contextlib.contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """Inside ``compute()``: ops run here are plain CPU ops, neither ordered nor checked (a
+        reference run with no GPU semantics, e.g. backward ops the simulator would put on the wrong
+        stream: torch runs each on its forward op's stream, the simulator on the current one)."""
+        local = self._local
+        outer = getattr(local, "busy", False)
+        local.busy = True
+        try:
+            yield
+        finally:
+            local.busy = outer
+
+    def _compute(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        schema = func._schema
+        views_only = all(r.alias_info is not None for r in schema.returns) and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if views_only:  # metadata only: no bytes are read or written
+            return func(*args, **kwargs)
+        with self._api("compute"):
+            stream = self._current()
+            clock = dict(stream.after)
+            _merge(clock, self._host)
+            self._run_clock(clock)
+            self._run_until(stream, stream.issued)
+            stream.issued += 1
+            stream.executed = stream.issued
+            position = stream.issued
+            clock[stream.id] = position - 1
+            mutated = _mutated(schema, args, kwargs)
+            flat, spec = tree_flatten((args, kwargs))
+            for index, value in enumerate(flat):
+                if isinstance(value, torch.Tensor) and value.numel():
+                    problem = self._unordered_read(self._range(value, None, create=False), clock, stream)
+                    self._note_use(value, stream, position)
+                    if problem is not None:
+                        self._violate("read before written", f"{func} on {stream.name} reads {problem}")
+                        if not any(value is m for m in mutated):
+                            flat[index] = _poisoned(value)
+            args, kwargs = tree_unflatten(flat, spec)
+        out = func(*args, **kwargs)
+        with self._api("compute-out"):
+            written = list(mutated)
+            returns = out if isinstance(out, (tuple, list)) else (out,)
+            for result, info in zip(returns, schema.returns):
+                if info.alias_info is None and isinstance(result, torch.Tensor):
+                    written.append(result)
+            for tensor in written:
+                if isinstance(tensor, torch.Tensor) and tensor.numel():
+                    key, start, end = self._range(tensor, default_owner=stream.id)
+                    self._write(self._storages[key], start, end, stream.id, position)
+        return out
+
+    # ------------------------------------------------------------------------------ reports
+
+    def is_device_memory(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` is simulated device memory (not pinned host memory)."""
+        with self._api("is_device_memory"):
+            state = self._storage(tensor, None, create=False)
+            return state is not None and state.owner is not None
+
+    def check(self) -> list[Violation]:
+        """Look for storages freed while a use on another stream may be pending; the violations."""
+        with self._api("check"):
+            pass
+        return self.violations
+
+    def drain(self) -> None:
+        """Run every pending op (the end of a test: a real GPU finishes its queues too)."""
+        with self._api("drain"):
+            for stream in list(self._streams.values()):
+                self._run_until(stream, stream.issued)
+
+    # ---------------------------------------------------------------------------- internals
+
+    @contextlib.contextmanager
+    def _api(self, name: str) -> Iterator[None]:
+        local = self._local
+        outer = getattr(local, "busy", False)
+        with self._lock:
+            local.busy = True
+            try:
+                if not outer:
+                    self._poll()
+                    if self.order == "random":
+                        while self._random.random() < self.early and self._run_random():
+                            pass
+                yield
+            finally:
+                local.busy = outer
+
+    def busy(self) -> bool:
+        return getattr(self._local, "busy", False)
+
+    def _stack(self) -> list[SimStream]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _current(self) -> SimStream:
+        stack = self._stack()
+        return stack[-1] if stack else self.default_stream
+
+    def _snapshot(self, stream: SimStream) -> Clock:
+        clock = dict(stream.after)
+        _merge(clock, self._host)
+        clock[stream.id] = max(clock.get(stream.id, 0), stream.issued)
+        return clock
+
+    def _storage(self, tensor: torch.Tensor, owner: int | None, create: bool = True) -> _Storage | None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        state = self._storages.get(key)
+        if state is None and create:
+            storage._weak_ref()  # keeps the StorageImpl (not its bytes) allocated: the key stays unique
+            state = self._storages[key] = _Storage(key, owner)
+            if len(self._storages) % 4096 == 0:
+                self._prune()
+        return state
+
+    def _range(self, tensor: torch.Tensor, default_owner: int | None,
+               create: bool = True) -> tuple[int, int, int] | None:
+        state = self._storage(tensor, default_owner, create)
+        if state is None:
+            return None
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size
+        span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+        return state.key, start, start + span * size
+
+    def _prune(self) -> None:
+        for key in [key for key, state in self._storages.items()
+                    if torch.UntypedStorage._expired(key) and key not in self._watched and not state.held]:
+            del self._storages[key]
+            torch.UntypedStorage._free_weak_ref(key)
+
+    def _issue(self, stream: SimStream, run: Callable[[], None], reads: list[Any], writes: list[Any],
+               holds: list[torch.Tensor], description: str) -> _Op:
+        stream.issued += 1
+        clock = dict(stream.after)
+        _merge(clock, self._host)
+        clock[stream.id] = stream.issued - 1
+        op = _Op(stream, stream.issued, clock, run, writes, holds, reads, description)
+        for key, start, end in reads:
+            problem = self._unordered_read((key, start, end), clock, stream)
+            if problem is not None:
+                op.poisoned = True
+                self._violate("read before written", f"{description} reads {problem}")
+            self._note_use_key(key, stream, op.position)
+        for key, start, end in writes:
+            self._write(self._storages[key], start, end, stream.id, op.position)
+            self._note_use_key(key, stream, op.position)
+        for tensor in holds:
+            self._storages[tensor.untyped_storage()._cdata].held += 1
+        stream.queue.append(op)
+        return op
+
+    def _unordered_read(self, span: tuple[int, int, int] | None, clock: Clock, stream: SimStream) -> str | None:
+        if span is None:
+            return None
+        key, start, end = span
+        state = self._storages.get(key)
+        if state is None:
+            return None
+        for w_start, w_end, w_stream, w_position in state.writes:
+            if w_start < end and start < w_end and not _covers(clock, w_stream, w_position):
+                writer = self._streams[w_stream].name
+                return f"bytes [{start}, {end}) written by op {w_position} of {writer}, not ordered before it"
+        return None
+
+    def _write(self, state: _Storage, start: int, end: int, stream: int, position: int) -> None:
+        state.writes = [w for w in state.writes if not (start <= w[0] and w[1] <= end)]
+        state.writes.append((start, end, stream, position))
+
+    def _note_use(self, tensor: torch.Tensor, stream: SimStream, position: int) -> None:
+        state = self._storage(tensor, None, create=False)
+        if state is not None:
+            self._note_use_key(state.key, stream, position)
+
+    def _note_use_key(self, key: int, stream: SimStream, position: int) -> None:
+        state = self._storages[key]
+        if state.owner is not None and state.owner != stream.id and not state.freed:
+            state.uses.append((stream.id, position))
+            self._watched[key] = state
+
+    def _freed_by_program(self, state: _Storage) -> bool:
+        return torch._C._storage_Use_Count(state.key) <= state.held
+
+    def _poll(self) -> None:
+        """Storages the program freed: was each use on another stream finished or recorded?"""
+        for key, state in list(self._watched.items()):
+            if not self._freed_by_program(state):
+                continue
+            state.freed = True
+            del self._watched[key]
+            for stream, position in state.uses:
+                if stream not in state.recorded and not _covers(self._host, stream, position):
+                    name = self._streams[stream].name
+                    self._violate("freed while in use", f"memory owned by {self._name(state.owner)} freed while op "
+                                  f"{position} of {name} may still use it, and no record_stream({name})")
+                    break
+
+    def _name(self, stream: int | None) -> str:
+        return self._streams[stream].name if stream is not None else "host"
+
+    def _violate(self, kind: str, detail: str) -> None:
+        self.violations.append(Violation(kind, detail))
+
+    def _run_clock(self, clock: Clock) -> None:
+        for stream, position in list(clock.items()):
+            self._run_until(self._streams[stream], position)
+
+    def _run_until(self, stream: SimStream, position: int) -> None:
+        while stream.executed < position and stream.queue:
+            op = stream.queue[0]
+            for other, other_position in list(op.clock.items()):
+                if other != stream.id:
+                    self._run_until(self._streams[other], other_position)
+            stream.queue.popleft()
+            self._execute(op)
+            stream.executed = op.position
+        if stream.executed < position:  # positions of eager compute ops: already run
+            stream.executed = min(position, stream.issued)
+
+    def _execute(self, op: _Op) -> None:
+        for key, _, _ in op.reads:
+            state = self._storages[key]
+            foreign = state.owner is not None and op.stream.id != state.owner
+            if foreign and op.stream.id not in state.recorded and self._freed_by_program(state):
+                op.poisoned = True
+                self._violate("freed while in use", f"{op.description}: the program freed its source (owned by "
+                              f"{self._name(state.owner)}) before it ran, and no record_stream({op.stream.name})")
+        if op.poisoned:
+            op.holds[0].fill_(POISON)  # the destination: a 1-D uint8 buffer
+        elif op.run is not None:
+            op.run()
+        for tensor in op.holds:
+            self._storages[tensor.untyped_storage()._cdata].held -= 1
+        op.holds.clear()
+        op.run = None
+
+    def _query(self, clock: Clock) -> bool:
+        done = all(self._streams[stream].executed >= position for stream, position in clock.items())
+        if done:
+            self._host_saw(clock)
+        return done
+
+    def _host_sync(self, clock: Clock) -> None:
+        name = threading.current_thread().name
+        self.synchronized_by[name] = self.synchronized_by.get(name, 0) + 1
+        self._run_clock(clock)
+        self._host_saw(clock)
+
+    def _host_saw(self, clock: Clock) -> None:
+        _merge(self._host, clock)
+        outs = self._outs
+        for entry in [entry for entry in outs if _covers(self._host, entry[0], entry[1])]:
+            outs.remove(entry)
+            self.pending_out_bytes -= entry[2]
+
+    def _run_random(self) -> bool:
+        runnable = [s for s in self._streams.values() if s.queue and all(
+            self._streams[other].executed >= position for other, position in s.queue[0].clock.items()
+            if other != s.id)]
+        if not runnable:
+            return False
+        stream = self._random.choice(runnable)
+        op = stream.queue.popleft()
+        self._execute(op)
+        stream.executed = op.position
+        return True
+
+
+class _ComputeMode(TorchDispatchMode):
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.sim.busy():
+            return func(*args, **kwargs)
+        return self.sim._compute(func, args, kwargs)
+
+
+def _mutated(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    found = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
+def _poisoned(tensor: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty_like(tensor)
+    if copy.is_floating_point() or copy.is_complex():
+        return copy.fill_(float("nan"))
+    return copy.fill_(-1) if copy.dtype != torch.bool else copy.fill_(True)
