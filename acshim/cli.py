@@ -335,6 +335,7 @@ def _run_error(code: int, message: str) -> int:
     file a launcher's failure summary reads (torchrun, accelerate launch)."""
     from .patching.runner import print_error_line, record_rank_message
 
+    message = message.strip("\n")  # print_error_line starts the line itself
     print_error_line(message)
     if code != 0:
         record_rank_message(message)

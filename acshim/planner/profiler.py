@@ -166,15 +166,18 @@ class RegionProfiler:
             start = self.guard.last
             floor = max(2 * start, 1 << 20)
             share = fraction / max(1e-9, 1 - fraction)
-            self.guard.limit = lambda: start + floor + int(share * saved.total())
+            # Only outside the regions: a region's forward holds what it is about to save (no
+            # checkpointing holds that too), and no plan runs without one block's forward.
+            self.guard.limit = lambda: start + floor + int(share * saved.total()) if saved.owner == OUTSIDE else None
         stopped = None
         with saved:
             self.saved = saved
             try:
                 self.step(backward=False)
             except OverBudget as error:
-                where = ("the part outside the blocks (embeddings, head, loss)" if saved.owner == OUTSIDE
-                         else f"region {saved.owner}")
+                owner = getattr(error, "region", OUTSIDE)  # count_region notes it (its owner is reset by then)
+                where = ("the part outside the blocks (embeddings, head, loss)" if owner == OUTSIDE
+                         else f"region {owner}")
                 stopped = (error.used, error.operator, error.size, where)
             finally:
                 self.saved = None
@@ -210,6 +213,9 @@ class RegionProfiler:
         start = time.perf_counter()
         try:
             output = function(*args, **kwargs)
+        except OverBudget as error:
+            error.region = index  # type: ignore[attr-defined]
+            raise
         finally:
             saved.owner = OUTSIDE
         site.forward_seconds = time.perf_counter() - start

@@ -91,7 +91,7 @@ class BudgetTooSmall(ValueError):
         error.suggested = (int((no_checkpointing + overhead) * (1 + 2 * cls.MARGIN)) if no_checkpointing
                            else UNMEASURED * stop.used)
         made = f" ({stop.operator} would have made {format_bytes(stop.size)} of output)" if stop.size else ""
-        share = f"{budget} of no checkpointing's peak can be" if isinstance(budget, (float, str)) and \
+        share = "of no checkpointing's peak can be" if isinstance(budget, (float, str)) and \
             "." in str(budget) and not str(budget).lower().endswith("b") else "allows"
         ValueError.__init__(error, f"one forward of the model, keeping nothing for backward, needs more than the "
                                    f"budget {budget} {share}: in {stop.what}{made} the process would have held "
