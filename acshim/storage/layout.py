@@ -45,6 +45,7 @@ def span_elements(tensor: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
 
 
+@torch._dynamo.disable  # eager bytes: a dtype-changing view out of a compiled graph cannot be replayed as an alias
 def to_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     """The bytes to move for ``tensor`` as a 1-D ``uint8`` tensor (a view, no copy) and its
     ``Layout``: its storage span, or its whole storage when the span covers most of it."""
