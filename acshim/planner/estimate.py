@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..head import planning_loss
 from .tracker import LiveBytes, storage_key
 
 
@@ -33,7 +34,7 @@ class FakeStep:
 
 
 def step_peak(session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              loss_fn: Callable[[Any], torch.Tensor]) -> FakeStep | None:
+              loss_fn: Callable[[Any], torch.Tensor] | None) -> FakeStep | None:
     """One step without checkpointing on fake tensors (see the module docstring), or None."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
@@ -57,7 +58,7 @@ def step_peak(session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict
             with tracker:
                 session.position = 0
                 output = functional_call(root, state, fake_args, fake_kwargs)
-                loss = loss_fn(output)
+                loss = loss_fn(output) if loss_fn is not None else planning_loss(output, fake_args, fake_kwargs)
                 del output
                 tracker.mark("forward")
                 loss.backward()

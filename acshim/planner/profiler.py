@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import structures
+from .. import head, structures
 from ..head import planning_loss
 from ..region_state import region_inputs
 from ..storage.reaper import REAPER
@@ -172,6 +172,9 @@ class RegionProfiler:
         stopped = None
         with saved:
             self.saved = saved
+            chunked = head.available(self.root)  # the logits need not exist in a plan: nor here
+            if chunked:
+                install_outside(self.root, "head")
             try:
                 self.step(backward=False)
             except OverBudget as error:
@@ -181,6 +184,8 @@ class RegionProfiler:
                 stopped = (error.used, error.operator, error.size, where)
             finally:
                 self.saved = None
+                if chunked:
+                    install_outside(self.root, "keep")
         self.counted = saved
         if stopped is not None:  # outside the except block: the stopped step's frames are gone
             self._settle()

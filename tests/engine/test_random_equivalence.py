@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -721,3 +722,50 @@ def test_a_wrong_gradient_is_caught() -> None:
 def test_failure_message_describes_the_case() -> None:
     text = draw_case(5).describe()
     assert text.startswith("seed 5: route=") and "blocks.0:" in text and "head" in text
+
+
+def _disk_cases(count: int) -> list[Case]:
+    found = []
+    for seed in range(1000, 2000):  # seeds of their own: the fork cases are drawn, not picked
+        case = draw_case(seed)
+        if (case.offload and case.offload[0] == "disk" and case.changed_after_forward is None
+                and case.grad_mode == "backward"):
+            found.append(case)
+            if len(found) == count:
+                break
+    return found
+
+
+def _child_runs(cases: list[Case], directory: str, results: Any) -> None:
+    failures = []
+    for case in cases:
+        try:
+            assert_equivalent(case, run_step(case, "plain", Path(directory)), run_step(case, "acshim", Path(directory)))
+        except Exception as error:
+            failures.append(f"{case.short_id()}: {_error_text(error)}")
+    results.put(failures)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_random_disk_offload_cases_match_in_a_child_forked_after_the_parent_offloaded(tmp_path: Path) -> None:
+    """The fork class of issue 16 drawn at random: the parent trains drawn cases on the disk tier, then
+    a forked child (torch.multiprocessing's fork pattern) trains other drawn cases on it: bitwise equal
+    to the run without checkpointing, and the child finishes (it used to hang on the parent's I/O
+    workers)."""
+    import multiprocessing
+
+    cases = _disk_cases(4)
+    assert len(cases) == 4
+    for case in cases[:2]:
+        assert_equivalent(case, run_step(case, "plain", tmp_path), run_step(case, "acshim", tmp_path))
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_child_runs, args=(cases[2:], str(tmp_path), results))
+    child.start()
+    try:
+        failures = results.get(timeout=240)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert failures == [] and child.exitcode == 0, failures
