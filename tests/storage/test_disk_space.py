@@ -35,6 +35,16 @@ def _referenced(tier) -> int:
     return file.end - sum(size for _, size in getattr(file, "holes", ())) if file is not None else 0
 
 
+def _writes_done() -> None:
+    """Wait for the copies the CPU backend's workers still have in flight (on a loaded machine the
+    last writes of a step outlast it)."""
+    from backends.cpu import _pools
+
+    for pool in list(_pools):
+        for future in list(pool._in_flight):
+            future.exception(timeout=10.0)
+
+
 def _measured(spill_in, directory, forward, tier, steps):
     x = torch.randn(BATCH, WIDTH)
     held = {}
@@ -42,6 +52,7 @@ def _measured(spill_in, directory, forward, tier, steps):
         loss = forward(x)  # evaluation with grad on: the graph is dropped, never backpropagated
         if step in steps:
             gc.collect()
+            _writes_done()  # a dropped graph's slot is freed when its copy, maybe still being written, ends
             assert REAPER.settle()
             held[step] = (spill_in(directory), _referenced(tier))
     del loss
