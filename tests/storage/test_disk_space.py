@@ -38,7 +38,7 @@ def _referenced(tier) -> int:
 def _writes_done() -> None:
     """Wait for the copies the CPU backend's workers still have in flight (on a loaded machine the
     last writes of a step outlast it)."""
-    from backends.cpu import _pools
+    from acshim.backends.cpu import _pools
 
     for pool in list(_pools):
         for future in list(pool._in_flight):
