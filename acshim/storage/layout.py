@@ -12,6 +12,8 @@ them: each storage byte moves once (``session``).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +47,24 @@ def span_elements(tensor: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
 
 
-@torch._dynamo.disable  # eager bytes: a dtype-changing view out of a compiled graph cannot be replayed as an alias
 def to_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     """The bytes to move for ``tensor`` as a 1-D ``uint8`` tensor (a view, no copy) and its
-    ``Layout``: its storage span, or its whole storage when the span covers most of it."""
+    ``Layout``: its storage span, or its whole storage when the span covers most of it. Under
+    torch.compile taken eagerly: a dtype-changing view out of a compiled graph cannot be replayed as
+    an alias by AOTAutograd."""
+    if torch.compiler.is_compiling():
+        return _eager_to_bytes()(tensor)
+    return _to_bytes(tensor)
+
+
+@functools.cache
+def _eager_to_bytes() -> Callable[[torch.Tensor], tuple[torch.Tensor, Layout]]:
+    import torch._dynamo  # imported here: loaded already whenever something compiles, heavy otherwise
+
+    return torch._dynamo.disable(_to_bytes)
+
+
+def _to_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     span = span_elements(tensor)
     offset = tensor.storage_offset()
     size = tensor.element_size()

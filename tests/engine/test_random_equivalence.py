@@ -736,36 +736,52 @@ def _disk_cases(count: int) -> list[Case]:
     return found
 
 
-def _child_runs(cases: list[Case], directory: str, results: Any) -> None:
+_FORK_DRIVER = """
+import multiprocessing, sys
+from pathlib import Path
+import torch
+torch.set_num_threads(1)  # a parent that used intra-op threads cannot fork safely (OpenMP), torch or not
+sys.path.insert(0, sys.argv[1])
+import test_random_equivalence as T
+cases, directory = T._disk_cases(4), Path(sys.argv[2])
+failures = T._run_cases(cases[:2], directory)
+context = multiprocessing.get_context("fork")
+results = context.Queue()
+child = context.Process(target=lambda: results.put(T._run_cases(cases[2:], directory)))
+child.start()
+try:
+    failures += results.get(timeout=120)
+except Exception:
+    failures.append("the forked child did not finish within 120 s")
+child.join(timeout=10)
+if child.is_alive():
+    child.kill()
+print("FAILURES", failures)
+"""
+
+
+def _run_cases(cases: list[Case], directory: Path) -> list[str]:
     failures = []
     for case in cases:
         try:
-            assert_equivalent(case, run_step(case, "plain", Path(directory)), run_step(case, "acshim", Path(directory)))
+            assert_equivalent(case, run_step(case, "plain", directory), run_step(case, "acshim", directory))
         except Exception as error:
             failures.append(f"{case.short_id()}: {_error_text(error)}")
-    results.put(failures)
+    return failures
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
 def test_random_disk_offload_cases_match_in_a_child_forked_after_the_parent_offloaded(tmp_path: Path) -> None:
-    """The fork class of issue 16 drawn at random: the parent trains drawn cases on the disk tier, then
-    a forked child (torch.multiprocessing's fork pattern) trains other drawn cases on it: bitwise equal
+    """The fork class of issue 16 drawn at random: a parent trains drawn cases on the disk tier, then a
+    forked child (torch.multiprocessing's fork pattern) trains other drawn cases on it: bitwise equal
     to the run without checkpointing, and the child finishes (it used to hang on the parent's I/O
-    workers)."""
-    import multiprocessing
+    workers). A fresh process: the test process's intra-op threads would hang a forked child, torch
+    or not."""
+    import subprocess
+    import sys
 
-    cases = _disk_cases(4)
-    assert len(cases) == 4
-    for case in cases[:2]:
-        assert_equivalent(case, run_step(case, "plain", tmp_path), run_step(case, "acshim", tmp_path))
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    child = context.Process(target=_child_runs, args=(cases[2:], str(tmp_path), results))
-    child.start()
-    try:
-        failures = results.get(timeout=240)
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    assert failures == [] and child.exitcode == 0, failures
+    assert len(_disk_cases(4)) == 4
+    done = subprocess.run([sys.executable, "-c", _FORK_DRIVER, str(Path(__file__).parent), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FAILURES []" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
