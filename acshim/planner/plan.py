@@ -188,12 +188,13 @@ class Plan:
 def reference(profile: Profile) -> tuple[int, float]:
     """Predicted (peak, seconds) of the step without checkpointing, from the profile (the model never
     runs so). Where keeping a block could not be measured within the budget, its held bytes are what
-    its forward saves (counted) and its transient that of its recompute beyond them."""
+    its forward saves (counted) and its transient that of its recompute beyond them; the peak is
+    never below ``profile.unchecked_floor``."""
     keep = ["keep"] * len(profile.blocks)
     if "keep" not in profile.choices:
         return 0, 0.0
     if all(feasible(b, "keep") for b in profile.blocks) and profile.other_held < INFEASIBLE:
-        return rounded_peak(profile, keep), profile.seconds_of(keep)
+        return max(rounded_peak(profile, keep), profile.unchecked_floor), profile.seconds_of(keep)
     blocks = []
     for block in profile.blocks:
         if feasible(block, "keep"):
@@ -209,7 +210,7 @@ def reference(profile: Profile) -> tuple[int, float]:
     if profile.other_held >= INFEASIBLE:
         estimated.other_held, estimated.other_transient = profile.other_saved, profile.other_saved
         estimated.other_seconds = min((float(e["seconds"]) for e in profile.outside.values()), default=0.0)
-    return estimated.peak_of(keep), estimated.seconds_of(keep)
+    return max(estimated.peak_of(keep), profile.unchecked_floor), estimated.seconds_of(keep)
 
 
 def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,

@@ -5,10 +5,12 @@ the process's memory: on CPU its anonymous resident memory (``/proc/self/statm``
 file-backed pages), on a CUDA device the bytes its caching allocator has reserved
 (``torch.cuda.memory_reserved``; fragmentation counts, as it does for an out-of-memory error).
 Storage tier buffers, copies in flight, worker threads' stacks and heaps, Python objects and
-allocator slack are all in it, and none of them is a tensor storage. Library code paged in on the
-first use of an operator is left out: it is file-backed (the system drops it under pressure and
-reads it back), it is the same with or without a plan, and a step measured the usual way
-(``VmHWM`` after a warm-up step, docs/measuring.md) has it in its baseline already.
+allocator slack are all in it, and none of them is a tensor storage. File-backed pages are left
+out: library code paged in on the first use of an operator, and weights a loader mapped from their
+file (``safetensors`` maps a frozen base model; a fine-tuning step pages 16 MiB of a tiny Llama in
+during its first forward). The system drops them under pressure and reads them back, they are the
+same with or without a plan, and a step measured the usual way (``VmHWM`` after a warm-up step,
+docs/measuring.md) has them in its baseline already.
 
 ``ProcessMemory`` reads that number cheaply (one ``pread`` of ``statm``); ``Guard`` samples it after
 every operator of the thread it is entered on and raises ``OverBudget`` as soon as the process is
@@ -86,7 +88,7 @@ class ProcessMemory:
             return 0
         with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
             fields = os.pread(self._fd, 128, 0).split()
-        return int(fields[1]) * _PAGE
+        return (int(fields[1]) - int(fields[2])) * _PAGE  # resident less file-backed (see the module docstring)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -78,6 +78,9 @@ class Profile:
     """Shapes of the step's input tensors the profile was measured on."""
     stops: dict[str, int] = field(default_factory=dict)
     """Parts whose measurement the budget stopped, with what the process held then."""
+    unchecked_floor: int = 0
+    """A lower bound of no checkpointing's peak from the step run on fake tensors (0: none): what
+    ``plan.reference`` never goes below where the budget stopped the measurements it adds up."""
 
     def outside_choices(self) -> list[str]:
         """The choices for the part outside the blocks that were measured within the budget."""

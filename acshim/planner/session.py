@@ -419,7 +419,7 @@ class PlanSession:
             signature=model_signature(root, [(n, s.owner if s.owner is not None else root)
                                              for n, s in zip(names, self.sites, strict=True)]),
             prefetch=self.prefetch, method=METHOD, outside=outside, other_saved=counted.bytes.get(-1, 0),
-            stops=dict(profiler.stops),
+            stops=dict(profiler.stops), unchecked_floor=int(FAKE_PEAK_SHARE * self._fake_peak),
             recompute_step={"saved": counted.total(),
                             "forward_seconds": sum(site.forward_seconds for site in self.sites)})
         if self.world > 1:  # every rank solves the same numbers, so every rank gets the same plan
