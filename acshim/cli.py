@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-RUN_USAGE = ("acshim run [--hf] [--children] [--budget B [--png f.png]] [--report] (script.py | -m module | "
-             "[--] launcher) [args...]")
-PLAN_USAGE = "acshim plan --budget B [--sweep] [--png out.png] [--storage host|disk] [--] (script.py | -m module) [args...]"
+RUN_USAGE = ("acshim run [--hf] [--children] [--budget B [--plan-file F] [--png f.png]] [--report] "
+             "(script.py | -m module | [--] launcher) [args...]")
+PLAN_USAGE = ("acshim plan --budget B [--sweep] [--png out.png] [--storage host|disk] [--plan-file F] [--] "
+              "(script.py | -m module) [args...]")
 RUN_HELP = f"""usage: {RUN_USAGE}
 
 Run a training script written for DeepSpeed, FairScale, SageMaker model parallelism, PyTorch's
@@ -38,12 +39,15 @@ options (before the script; everything after it goes to the script):
   --hf        also checkpoint every Hugging Face model automatically (acshim.patch_transformers())
   --children  patch child Python processes too (torchrun workers, multiprocessing spawn);
               same as ACSHIM_PATCH_CHILDREN=1 in the environment. Off by default.
-  --budget B  plan instead of the script's recipe: B is the peak activation memory allowed per
-              step, in bytes or with a unit (2GiB, 800MB) or a fraction of the memory without
-              checkpointing (0.3). The script's own checkpoint calls (any dialect) become regions
-              the plan decides about (keep / selective / recompute / offload), planned on its first
-              step; one line on stderr says what was replaced. See docs/cli.md.
+  --budget B  plan instead of the script's recipe: B is the memory the process may hold above what
+              it held when a step started (parameters, gradients), for the whole run, planning
+              included: in bytes or with a unit (2GiB, 800MB) or a fraction of the peak activation
+              memory without checkpointing (0.3). The script's own checkpoint calls (any dialect)
+              become regions the plan decides about (keep / selective / recompute / offload),
+              planned on its first step; one line on stderr says what was replaced. See docs/cli.md.
   --storage T offload tier for --budget plans: host or disk (default: disk on CPU, host on GPU)
+  --plan-file F  with --budget: reuse the plan saved in F (same model, batch shape and budget) without
+              profiling; F is written by the run that plans when it does not exist
   --png FILE  with --budget: once planned, draw one step's activation memory block by block (no
               checkpointing, full recompute, the plan, the budget) beside the frontier to FILE
               (needs matplotlib: pip install 'acshim[plot]')
@@ -110,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 # run
 
 
-_VALUE_OPTIONS = ("--budget", "--storage", "--png")
+_VALUE_OPTIONS = ("--budget", "--storage", "--png", "--plan-file")
 
 
 def _parse_run(argv: list[str], verb: str = "run", allowed: tuple[str, ...] = ("--hf", "--children", "--report"),
@@ -128,7 +132,7 @@ def _parse_run(argv: list[str], verb: str = "run", allowed: tuple[str, ...] = ("
             value = inline if equals else (argv[index + 1] if index + 1 < len(argv) else None)
             if not value:
                 return f"acshim {verb}: argument {name}: expected a value"
-            flags[name[2:]] = value
+            flags[name[2:].replace("-", "_")] = value
             index += 1 if equals else 2
             continue
         if arg in allowed:
@@ -189,6 +193,7 @@ options (before the script; everything after it goes to the script):
                  plan, the budget) beside the frontier to FILE (implies --sweep; needs matplotlib:
                  pip install 'acshim[plot]')
   --storage T    offload tier: host or disk (default: disk on CPU, host on GPU)
+  --plan-file F  save the plan to F (or print the one F holds, if made for this model, batch and budget)
   --hf           also checkpoint every Hugging Face model automatically
   -m module      plan for a module run as `python -m module`
 """
@@ -222,6 +227,9 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
     if flags.get("storage") is not None and flags.get("budget") is None:
         print(f"acshim {verb}: --storage chooses the offload tier of a --budget plan; add --budget", file=sys.stderr)
         return 2
+    if flags.get("plan_file") is not None and flags.get("budget") is None:
+        print(f"acshim {verb}: --plan-file saves or reuses a --budget plan; add --budget", file=sys.stderr)
+        return 2
     if flags.get("png") is not None and flags.get("budget") is None:
         print(f"acshim {verb}: --png draws a --budget plan's memory (no checkpointing, full recompute, the plan); "
               "add --budget", file=sys.stderr)
@@ -238,7 +246,7 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
             print(f"acshim {verb}: argument {error}", file=sys.stderr)
             return 2
         session = PlanSession(flags.get("budget"), storage=flags.get("storage"), exit_after_plan=verb == "plan",
-                              sweep=flags.get("sweep"), png=flags.get("png"))
+                              sweep=flags.get("sweep"), png=flags.get("png"), plan_file=flags.get("plan_file"))
 
     from .patching import PatchError, install
     from .patching.children import children_requested, enable_children
@@ -327,6 +335,7 @@ def _run_error(code: int, message: str) -> int:
     file a launcher's failure summary reads (torchrun, accelerate launch)."""
     from .patching.runner import print_error_line, record_rank_message
 
+    message = message.strip("\n")  # print_error_line starts the line itself
     print_error_line(message)
     if code != 0:
         record_rank_message(message)

@@ -3,7 +3,7 @@
 ``os.pwrite`` / ``os.preadv`` release the GIL while the kernel copies, so worker threads overlap
 with compute. With ``direct=True`` (file opened with ``O_DIRECT``) every transfer must start at an
 aligned address and offset and have an aligned length: writes go through a per-thread, page-aligned
-bounce buffer (an anonymous ``mmap``); reads land directly in the caller's buffer, which the disk
+bounce buffer (an anonymous ``mmap`` of 1 MiB); reads land directly in the caller's buffer, which the disk
 tier allocates aligned and padded (``aligned_empty``). Without ``O_DIRECT`` the written range is
 flushed (``fdatasync``) and dropped from the page cache (``posix_fadvise(DONTNEED)``) so memory
 really drops. The native engine (``csrc/fileio.cpp``) does the same work without the GIL.
@@ -20,7 +20,8 @@ import torch
 
 ALIGNMENT = 4096
 """Offsets, lengths and addresses of ``O_DIRECT`` transfers are multiples of this (a page)."""
-BOUNCE_BYTES = 8 << 20
+BOUNCE_BYTES = 1 << 20
+"""Per thread, kept once touched: small and steady (see csrc/fileio.cpp)."""
 
 _bounce = threading.local()
 

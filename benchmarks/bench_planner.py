@@ -1,44 +1,45 @@
-"""Benchmark: the memory-budget planner (acshim.plan) beside the fixed recipes.
+"""Benchmark: the memory-budget planner (acshim.plan) beside every fixed recipe, acshim's and torch's.
 
-One language model, one process, configurations interleaved with the order rotated every round.
-``--model gpt`` (default): ``acshim.testing.GPT``, GPT-2-shaped, 8 layers x 512, seq 256, batch 2,
-vocab 512 as in benchmarks/bench_checkpoint.py, dropout on. ``--model llama``: a Hugging Face
-``LlamaForCausalLM`` of the same size from a small ``LlamaConfig`` with random weights (8 layers,
-hidden 512, 8 heads, 8 key/value heads, SwiGLU intermediate 1376, vocab 512, sdpa attention,
-``use_cache=False``; Llama has no dropout), trained on ``{"input_ids", "labels"}``; nothing is
-downloaded. On both models the baselines use acshim's own calls (``acshim.apply_checkpointing``,
-which finds the repeated blocks: ``h.N`` for GPT, ``model.layers.N`` for Llama), not transformers'
-``gradient_checkpointing_enable``.
+Default mode, per model (``--model gpt2``: Hugging Face ``GPT2LMHeadModel`` 8 x 512, batch 2 x 256,
+vocab 512, dropout on; ``--model llama``: ``LlamaForCausalLM`` of the same size, SwiGLU 1376, no
+dropout; ``--model gpt``: acshim.testing.GPT of that shape; random weights, nothing downloaded):
 
-Per configuration: bytes held for backward when forward ends and the step's peak activation memory
-(acshim.planner.measure_step: live storages op by op, parameter gradients and inputs excluded), as
-ratios of no checkpointing's, and the median of per-round step-time ratios. Configurations: none,
-full recompute per block, selective-op (save matmul/attention outputs), disk offload alone around
-the step (prefetch 2), and plans at several peak budgets (fractions of none's measured peak). Also:
-planning time (profiling + solving + verification) in steps of none, each plan's own prediction
-(peak and step time as ratios of its predicted no checkpointing) beside what was measured, and the
-planner's predicted frontier.
+- fixed recipes: no checkpointing; acshim's full recompute per block, every other block
+  (``EveryNth(2)``), selective-op (save matmul/attention outputs) and disk offload alone around the
+  step (prefetch 2); torch's ``checkpoint_wrapper`` per block and its selective checkpoint
+  (``create_selective_checkpoint_contexts`` saving mm/addmm/bmm/sdpa). (torch's ``offload_wrapper``
+  moves tensors to CPU memory: on a CPU it saves nothing and is left out.)
+- plans at peak budgets 0.47 / 0.35 / 0.23 / 0.16 of no checkpointing's peak **by RSS**: bytes the
+  process may hold above its baseline (``acshim.plan(model, batch, budget=bytes)``, each budget
+  planned on its own, the first one's planning time in steps of no checkpointing).
+- peak by RSS of every configuration in a fresh process (benchmarks/memory_probe.py:
+  ``MALLOC_MMAP_THRESHOLD_=65536``, a warm-up step, ``VmHWM`` above the baseline with gradients
+  allocated); a plan is applied there from the JSON it was saved to.
+- step time: all configurations in one process, interleaved, the order rotated each round; the
+  median of per-round ratios to no checkpointing.
+- checks, per budget: the plan's RSS peak within it (2%), and its step no slower than the fastest
+  fixed recipe whose RSS peak fits the same budget, + 3%.
 
-``--sweep``: the 10 budgets of one plan's ``frontier()``; for every point the plan
-``acshim.plan(model, batch, budget=point.budget, reuse=base)`` returns (the base plan's profile solved
-again and verified, no new profiling) is applied, measured (peak) and timed beside the baselines.
-Checks: every point at or under its budget; step time monotone in budget; for every baseline a plan
-point at or below it (peak <= the baseline's, step <= the baseline's). Step-time comparisons allow
-``--tolerance`` (default 5%: the spread of one configuration here is about 5-10%, see
-shared/MEASURING.md); peaks are exact byte counts and compared without tolerance.
+``--load both`` (default) runs it twice: idle, then with a busy-loop process on one core that the
+benchmark starts and kills by pid (bounded by ``--busy-seconds`` in any case); ``idle`` / ``busy``
+one of them. Output: paste-ready markdown tables.
 
-``--compile``: acshim plans under ``torch.compile`` beside torch's ``activation_memory_budget``
-(see benchmarks/bench_planner_compile.py).
+``--sweep``: the 10 budgets of one plan's ``frontier()``, each planned with ``reuse=`` (no new
+profiling), applied, measured (peak by the tracker) and timed beside the baselines; checks every
+point within its budget, step time monotone in budget (``--tolerance``) and the frontier at or below
+every baseline. ``--compile``: acshim plans under ``torch.compile`` beside torch's
+``activation_memory_budget`` (benchmarks/bench_planner_compile.py).
 
-    python benchmarks/bench_planner.py                    # full size, GPT
-    python benchmarks/bench_planner.py --model llama      # full size, Llama
-    python benchmarks/bench_planner.py --small --sweep    # quick check of the frontier sweep
-    python benchmarks/bench_planner.py --small --compile  # quick check under torch.compile
+    python benchmarks/bench_planner.py                      # HF GPT-2 8x512, idle then busy
+    python benchmarks/bench_planner.py --model llama        # HF Llama 8x512
+    python benchmarks/bench_planner.py --small --load idle  # quick check
+    python benchmarks/bench_planner.py --small --sweep
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -64,7 +65,7 @@ BASELINES = ("none", "full recompute", "selective-op", "disk offload alone")
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("gpt", "llama", "lora"), default="gpt",
+    parser.add_argument("--model", choices=("gpt2", "llama", "gpt", "lora"), default="gpt2",
                         help="lora: fine-tuning, LoRA adapters (PEFT) on a frozen Llama with a big vocabulary "
                              "(defaults 4x128, seq 128, vocab 32000, budgets 0.5,0.35)")
     parser.add_argument("--layers", type=int, default=8)
@@ -76,8 +77,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="Llama's MLP width (default: 8/3 x width rounded up to a multiple of 32; 1376 at 512)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--budgets", default="0.7,0.47,0.35,0.23,0.16",
-                        help="peak budgets as fractions of no checkpointing's measured peak")
+    parser.add_argument("--budgets", default="0.47,0.35,0.23,0.16",
+                        help="peak budgets as fractions of no checkpointing's peak by RSS")
+    parser.add_argument("--load", choices=("both", "idle", "busy"), default="both",
+                        help="idle, with a busy-loop process on one core (started and killed here), or both")
+    parser.add_argument("--busy-seconds", type=int, default=3600,
+                        help="the busy-loop process ends itself after this many seconds whatever happens")
+    parser.add_argument("--tolerance-recipe", type=float, default=0.03,
+                        help="a plan may be this much slower than the fastest fitting fixed recipe (default 0.03)")
     parser.add_argument("--small", action="store_true", help="4 layers, width 128, seq 64, vocab 512, 3 rounds")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="measure every point of one plan's frontier()")
@@ -126,6 +133,19 @@ def workload(args: argparse.Namespace) -> Workload:
                         lambda: seeded(lambda: GPT(args.layers, args.width, heads, args.seq, args.vocab)), ids)
 
     import transformers
+
+    if args.model == "gpt2":
+        gpt2 = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=heads, n_positions=args.seq,
+                                       vocab_size=args.vocab, bos_token_id=0, eos_token_id=1, use_cache=False)
+        gpt2._attn_implementation = "sdpa"
+
+        def build_gpt2() -> nn.Module:
+            model = seeded(lambda: transformers.GPT2LMHeadModel(gpt2))
+            model.train()
+            return model
+
+        return Workload(f"GPT-2 (HF GPT2LMHeadModel, transformers {transformers.__version__}) {shape}, dropout on",
+                        build_gpt2, {"input_ids": ids, "labels": ids})
 
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.intermediate,
@@ -253,58 +273,229 @@ def planner_choices(args: argparse.Namespace, default: tuple[str, ...] = BASE_CH
 
 
 # ------------------------------------------------------------------------------------------ default mode
-def budgets_table(args: argparse.Namespace, work: Workload) -> None:
+Config = Callable[[nn.Module], tuple[nn.Module, Scope]]  # a fresh model -> (model to run, scope around forward)
+
+
+def fixed_configs(work: Workload) -> dict[str, Config]:
+    """Every fixed recipe, each installed on a model of its own (torch's wrappers cannot be undone)."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from acshim.blocks import find_blocks
+
+    def torch_wrap(model: nn.Module, selective: bool) -> tuple[nn.Module, Scope]:
+        blocks = {id(block) for _, block in find_blocks(model)}
+        saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        extra = {"context_fn": partial(create_selective_checkpoint_contexts, policy)} if selective else {}
+        wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in blocks)
+        return model, nullcontext
+
+    def acshim_apply(model: nn.Module, **options: Any) -> tuple[nn.Module, Scope]:
+        acshim.apply_checkpointing(model, **options)
+        return model, nullcontext
+
+    offload: Scope = lambda: acshim.offload(storage="disk", prefetch=2)  # noqa: E731
+    return {
+        "no checkpointing": lambda model: (model, nullcontext),
+        "acshim full recompute": acshim_apply,
+        "acshim every 2nd block": lambda model: acshim_apply(model, policy=acshim.EveryNth(2)),
+        "acshim selective-op": lambda model: acshim_apply(model, context_fn=save_ops()),
+        "acshim disk offload alone": lambda model: (model, offload),
+        "torch checkpoint_wrapper": lambda model: torch_wrap(model, False),
+        "torch selective (SAC)": lambda model: torch_wrap(model, True),
+    }
+
+
+def plan_config(path: str) -> Config:
+    def install(model: nn.Module) -> tuple[nn.Module, Scope]:
+        Plan.load(path).apply(model)
+        return model, nullcontext
+    return install
+
+
+def _args_json(args: argparse.Namespace) -> str:
+    import json
+
+    return json.dumps({k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+
+
+def _args_from(text: str) -> argparse.Namespace:
+    import json
+
+    return argparse.Namespace(**json.loads(text))
+
+
+def _child(kind: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """Run ``kind`` (``rss`` or ``plan``) in a fresh interpreter with freed memory returned at once
+    (``MALLOC_MMAP_THRESHOLD_=65536``, docs/measuring.md); its JSON result."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(args.threads))
+    done = subprocess.run([sys.executable, __file__, "--child", kind, _args_json(args), *extra], env=env,
+                          capture_output=True, text=True, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("CHILD "):
+            return json.loads(line[len("CHILD "):])
+    raise RuntimeError(f"bench child {kind} {extra} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def _reset_hwm() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def child_main(kind: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """``rss CONFIG [PLAN.json]``: the configuration's peak above a baseline with gradients
+    allocated, after two warm-up steps. ``plan BYTES PLAN.json``: plan at that budget (bytes above
+    what the process holds when planning starts), save it, and time planning against a step of no
+    checkpointing (the planner's one-time imports done first, as ``acshim run`` does at start)."""
+    torch.set_num_threads(args.threads)
+    work = workload(args)
     model = work.build()
-    batch = work.batch
-    fixed = recipes()
-    memory = measure_recipes(model, batch, fixed)
-    none_held, none_peak = memory["none"]
-    step_none = make_step(model, batch)
-    start = time.perf_counter()
-    step_none()
-    none_seconds = time.perf_counter() - start
+    if kind == "plan":
+        from acshim.planner.warmup import warm_up
 
-    plans: dict[str, Plan] = {}
-    fractions = [float(f) for f in args.budgets.split(",")]
-    start = time.perf_counter()
-    first: Plan | None = None
-    planning_seconds = 0.0
-    for fraction in fractions:
-        budget = int(fraction * none_peak)
+        budget, path = int(extra[0]), extra[1]
+        step = make_step(model, work.batch)
+        step()
+        none = min(_timed_once(step) for _ in range(3))
+        warm_up(planner_choices(args))
+        model.zero_grad(set_to_none=False)
+        start = time.perf_counter()
         try:
-            found = acshim.plan(model, batch, budget=budget, reuse=first, choices=planner_choices(args))
+            found = acshim.plan(model, work.batch, budget=budget, choices=planner_choices(args))
         except ValueError as error:
-            print(f"budget {fraction:.2f}x: {error}")
-            continue
-        if first is None:
-            first = found
-            planning_seconds = time.perf_counter() - start
-        plans[f"plan @ {fraction:.2f}x"] = found
-    named = {**fixed, **{name: plan_recipe(found) for name, found in plans.items()}}
-    memory.update(measure_recipes(model, batch, {name: plan_recipe(found) for name, found in plans.items()}))
-    steps = time_recipes(model, batch, named, args.rounds)
+            return {"error": str(error).splitlines()[0][:300]}
+        seconds = time.perf_counter() - start
+        found.save(path)
+        return {"planning_seconds": seconds, "none_seconds": none, "choices": found.choices, "outside": found.outside,
+                "predicted_peak": found.peak, "measured_process_peak": found.measured_process_peak}
+    config = plan_config(extra[1]) if extra[0] == "plan" else fixed_configs(work)[extra[0]]
+    model, scope = config(model)
+    step = make_step(model, work.batch, scope)
+    step()
+    step()
+    model.zero_grad(set_to_none=False)  # the baseline has the gradients allocated
+    _reset_hwm()
+    base = _rss()
+    with scope():
+        loss = forward_loss(model, work.batch)
+    loss.backward()
+    return {"peak": _hwm() - base}
 
-    print(header(args, work))
-    print(f"no checkpointing: held {none_held / 2**20:.1f} MiB, peak {none_peak / 2**20:.1f} MiB")
-    print(f"{'configuration':<22} {'held x':>7} {'peak x':>7} {'step x':>7}  {'within budget':>13}  "
-          f"{'predicted peak x, step x':>24}  choices")
-    for name in named:
-        held, peak = memory[name]
-        found = plans.get(name)
-        within = "" if found is None else ("yes" if peak <= found.budget else "NO")
-        choices = "" if found is None else _label(found.choices, found.outside)
-        # the planner's own prediction, as ratios of its predicted no checkpointing (never run)
-        predicted = "" if found is None else (f"{found.peak / found.reference_peak:.2f}, "
-                                              f"{found.seconds / found.reference_seconds:.2f}")
-        print(f"{name:<22} {held / none_held:>7.2f} {peak / none_peak:>7.2f} "
-              f"{steps[name]:>7.2f}  {within:>13}  {predicted:>24}  {choices}")
-    if first is not None:
-        print(f"planning (profile + solve + verify): {planning_seconds:.1f} s = "
-              f"{planning_seconds / none_seconds:.1f} steps of no checkpointing")
-        print("predicted frontier (budget x, peak x, step x of predicted no checkpointing):")
-        for point in first.frontier():
-            print(f"  {point.budget / first.reference_peak:.2f}  {point.peak / first.reference_peak:.2f}  "
-                  f"{point.seconds / first.reference_seconds:.2f}  {_label(point.choices, point.outside)}")
+
+def _timed_once(step: Step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def budgets_table(args: argparse.Namespace, work: Workload) -> None:
+    import subprocess
+    import tempfile
+
+    loads = ["idle", "busy"] if args.load == "both" else [args.load]
+    fractions = [float(f) for f in args.budgets.split(",")]
+    print(f"### {work.label}\n\n{header(args, work)}; peaks by RSS in fresh processes (MALLOC_MMAP_THRESHOLD_=65536), "
+          "above a baseline with gradients allocated; step time: median of per-round ratios to no checkpointing, all "
+          "configurations interleaved in one process; shared machine.\n")
+    with tempfile.TemporaryDirectory(prefix="bench-planner-") as directory:
+        for load in loads:
+            busy = None
+            if load == "busy":  # one core kept busy by another process, ended by its pid (and its own clock)
+                busy = subprocess.Popen([sys.executable, "-c", f"import time\nt = time.time()\n"
+                                         f"while time.time() - t < {args.busy_seconds}: pass"])
+            try:
+                _one_load(args, work, load, fractions, directory)
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait(timeout=30)
+
+
+def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: list[float], directory: str) -> None:
+    import os
+
+    fixed = fixed_configs(work)
+    peaks = {name: _child("rss", args, [name])["peak"] for name in fixed}
+    none_peak = peaks["no checkpointing"]
+    plans: dict[float, dict[str, Any]] = {}
+    for fraction in fractions:
+        path = os.path.join(directory, f"plan-{load}-{fraction}.json")
+        found = _child("plan", args, [str(int(fraction * none_peak)), path])
+        found["path"] = path
+        if "error" not in found:
+            found["peak"] = _child("rss", args, ["plan", path])["peak"]
+        plans[fraction] = found
+    configs: dict[str, Config] = dict(fixed)
+    for fraction, found in plans.items():
+        if "error" not in found:
+            configs[f"plan @ {fraction:.2f}"] = plan_config(found["path"])
+    models = {name: config(work.build()) for name, config in configs.items()}
+
+    def prepare(name: str) -> Step:
+        model, scope = models[name]
+        return make_step(model, work.batch, scope)
+
+    for name in configs:  # lazy initialisation out of the timed rounds
+        prepare(name)()
+    ratios = interleaved(list(configs), prepare, args.rounds, reference="no checkpointing")
+    steps = {name: statistics.median(values) for name, values in ratios.items()}
+    models.clear()
+
+    print(f"#### {load}: {'a busy-loop process on one core' if load == 'busy' else 'no other work started'}\n")
+    print("| configuration | peak × none (RSS) | step × none |")
+    print("|---|---|---|")
+    for name in fixed:
+        print(f"| {name} | {peaks[name] / none_peak:.2f} | {steps[name]:.2f} |")
+    print(f"\nno checkpointing: peak {none_peak / 2**20:.1f} MiB above the baseline\n")
+    print("| budget × none | plan (blocks; outside) | peak × none (RSS) | within budget | step × none "
+          "| fastest fixed recipe within the budget (step ×) | plan ≤ it + 3% | planning (steps of none) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fraction, found in plans.items():
+        budget = fraction * none_peak
+        fitting = [name for name in fixed if peaks[name] <= budget * 1.02]
+        best = min(fitting, key=lambda name: steps[name], default=None)
+        recipe = f"{best} ({steps[best]:.2f})" if best else "none fits"
+        if "error" in found:
+            print(f"| {fraction:.2f} | refused: {found['error'][:120]} | | | | {recipe} | | |")
+            continue
+        name = f"plan @ {fraction:.2f}"
+        within = "yes" if found["peak"] <= budget * 1.02 else "NO"
+        faster = "" if best is None else ("yes" if steps[name] <= steps[best] * (1 + args.tolerance_recipe) else "NO")
+        print(f"| {fraction:.2f} | {_label(found['choices'], found['outside'])} | {found['peak'] / none_peak:.2f} "
+              f"| {within} | {steps[name]:.2f} | {recipe} | {faster} "
+              f"| {found['planning_seconds'] / found['none_seconds']:.1f} |")
+    print("\nPlans per block: K keep, S selective, S2 every other matmul, R full recompute, Od offload to disk, "
+          "ROd recompute with the input offloaded; `| out Od`: the part outside the blocks offloaded.\n")
 
 
 # ------------------------------------------------------------------------------------------ --sweep
@@ -422,6 +613,11 @@ def _short(choice: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--child":
+        import json
+
+        print("CHILD " + json.dumps(child_main(argv[1], _args_from(argv[2]), argv[3:])), flush=True)
+        return
     args = parse(argv)
     torch.set_num_threads(args.threads)
     if args.compile:

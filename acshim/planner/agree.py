@@ -12,6 +12,7 @@ re-solve decision and runs the same number of steps while planning.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,26 +44,43 @@ def agree_profile(profile: Profile, device: torch.device) -> Profile:
     if -low != high:
         raise RanksDisagree("the ranks' first steps ran different checkpointed regions (a different model, "
                             "or control flow that depends on the rank), so they cannot share one plan")
-    fields: list[tuple[dict[str, float] | None, str]] = []
+    fields: list[tuple[Any, str]] = []
     for block in profile.blocks:
         for table in (block.held, block.transient, block.seconds, block.window):
             fields += [(table, key) for key in sorted(table)]
-    fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds")]
+        fields.append((block, "saved"))
+    fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds", "other_saved")]
     fields += [(profile.outside[choice], key) for choice in profile.outside for key in sorted(profile.outside[choice])]
     fields += [(profile.recompute_step, key) for key in sorted(profile.recompute_step)]
-    values = [float(getattr(profile, key) if table is None else table[key]) for table, key in fields]
+    values = [float(_get(profile, table, key)) for table, key in fields]
     agreed = _max(values, device)
     for (table, key), value in zip(fields, agreed, strict=True):
-        before = getattr(profile, key) if table is None else table[key]
+        before = _get(profile, table, key)
         value = int(value) if isinstance(before, int) else value
-        if table is None:
-            setattr(profile, key, value)
+        if table is None or not isinstance(table, dict):
+            setattr(table if table is not None else profile, key, value)
         else:
             table[key] = value
     return profile
 
 
-def agree_measurement(held: int, peak: int, device: torch.device) -> tuple[int, int]:
-    """The largest ``(held, peak)`` any rank measured for the same candidate plan."""
-    agreed = _max([float(held), float(peak)], device)
-    return int(agreed[0]), int(agreed[1])
+def _get(profile: Profile, table: Any, key: str) -> Any:
+    if table is None:
+        return getattr(profile, key)
+    return table[key] if isinstance(table, dict) else getattr(table, key)
+
+
+def agree_bytes(value: int, device: torch.device) -> int:
+    """The largest ``value`` any rank has (what a process holds besides the plan's activations)."""
+    return int(_max([float(value)], device)[0])
+
+
+def agree_measurement(verified: Any, device: torch.device) -> Any:
+    """A verification (``profiler.Verification``) with the largest held and peak bytes any rank
+    measured for the same candidate plan, stopped if any rank's guard stopped it (in place)."""
+    agreed = _max([float(verified.held), float(verified.peak), float(verified.process_peak or 0),
+                   float(verified.stopped), float(verified.live_at_stop), float(verified.seconds)], device)
+    verified.held, verified.peak = int(agreed[0]), int(agreed[1])
+    verified.process_peak = int(agreed[2]) if verified.process_peak is not None else None
+    verified.stopped, verified.live_at_stop, verified.seconds = agreed[3] > 0, int(agreed[4]), agreed[5]
+    return verified

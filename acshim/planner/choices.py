@@ -63,12 +63,18 @@ class SharedOffload:
     ``acshim.offload(storage, prefetch)`` around the whole forward. One block's offload scope alone
     (a session per block) kept the last ``prefetch`` tensors of *every* block resident instead."""
 
+    IN_FLIGHT = 4 << 20
+    """Bytes waiting to be copied out before forward waits for the oldest copy (the storage tier's
+    back-pressure, at most its own bound): a plan's peak counts them, as copies in flight hold their
+    tensors wherever the copies have got to when the peak comes."""
+
     def __init__(self, storage: str, prefetch: int) -> None:
         from ..storage.scopes import _Options
 
         self.storage, self.prefetch = storage, prefetch
         options = _Options(storage, prefetch, None, None, None, None, None)
         self.session = options.session(options.tier(), per_tensor_groups=True)
+        self.session.max_bytes_in_flight = min(self.session.max_bytes_in_flight, self.IN_FLIGHT)
         self._hooks: list[Any] = []
 
     def __enter__(self) -> SharedOffload:

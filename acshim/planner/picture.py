@@ -55,7 +55,7 @@ def write_png(plan: object, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"--png {path}: matplotlib is not installed (pip install 'acshim[plot]'); no figure written"
-    from .session import _baseline_point, _baselines  # the frontier's baselines, as the table shows them
+    from .report import _baseline_point, _baselines  # the frontier's baselines, as the table shows them
 
     profile: Profile = plan.profile  # type: ignore[attr-defined]
     figure, (steps, frontier) = plt.subplots(1, 2, figsize=SIZE_INCHES, dpi=DPI,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -13,14 +13,18 @@ import torch
 from torch import nn
 
 from ..blocks import find_blocks
-from .aliases import parameters_aliased
 from .budget import format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, expand_choices, install, install_outside, is_offload
-from .profile import ModelState, Profile, measure_step, model_signature, profile_model
-from .snapshot import ModelSnapshot
+from .choices import BASE_CHOICES, SharedOffload, install, install_outside, is_offload
+from .process import check_memory_kind
+from .profile import INFEASIBLE, ModelState, Profile, feasible, model_signature, run_step
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
 
 FORMAT = "acshim-plan/1"
+
+HEADROOM = 0.03
+"""A plan is accepted when its verification step peaked this share below the budget: room for what
+sampling between operators cannot see in later steps (operators' scratch memory, copies in flight
+that land at other moments)."""
 
 
 @dataclass
@@ -52,10 +56,19 @@ class Plan:
     seconds: float
     profile: Profile
     measured_peak: int | None = None
+    """The tracker's peak (tensor storages) on the verification step."""
     measured_held: int | None = None
+    measured_process_peak: int | None = None
+    """The process's peak above the step's start on the verification step (resident set on CPU,
+    reserved on a GPU): what the budget is about. None where it could not be read."""
     reference_peak: int = 0
     reference_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    overhead: int = 0
+    """What the process held above the step's start besides the plan's activations when it was solved
+    (the interrupted step's first part, worker threads, code paged in): left room for."""
+    verified_seconds: float | None = None
+    """The verification step's time (untracked, operator by operator as the profile)."""
     outside: str = "keep"
     """The choice for the part of the model outside the blocks (embeddings, head, loss inside the
     forward): ``keep`` or ``offload:TIER``, through the offloaded blocks' schedule."""
@@ -129,20 +142,34 @@ class Plan:
         other_held, other_transient, other_seconds = self.profile.other(self.outside)
         rows.append(f"{'(outside blocks)':<24} {self.outside:<24} {format_bytes(other_held):>10} "
                     f"{format_bytes(other_transient):>10} {other_seconds * 1e3:>8.1f}")
+        if self.overhead:
+            rows.append(f"held besides the activations when solved: {format_bytes(self.overhead)} (left room for)")
         rows.append(f"predicted: held {format_bytes(self.held)}, peak {format_bytes(self.peak)} "
                     f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
                     f"({self.seconds / ref_seconds:.2f}x)")
         if self.measured_peak is not None:
+            process = ("" if self.measured_process_peak is None
+                       else f"; process peak above the step's start {format_bytes(self.measured_process_peak)}")
             rows.append(f"measured after apply: held {format_bytes(self.measured_held or 0)}, "
-                        f"peak {format_bytes(self.measured_peak)}")
+                        f"peak {format_bytes(self.measured_peak)} (tensor storages){process}")
         rows.append(f"profile: {self.profile.method}")
         rows += [f"note: {note}" for note in self.notes]
         return "\n".join(rows)
+
+    def describe(self) -> str:
+        """``"5 recompute, 2 selective, 1 keep"`` (and the outside part's choice when not kept)."""
+        counts: dict[str, int] = {}
+        for choice in self.choices:
+            counts[choice] = counts.get(choice, 0) + 1
+        outside = "" if self.outside == "keep" else f"; outside the regions: {self.outside}"
+        return ", ".join(f"{n} {c}" for c, n in counts.items()) + outside
 
     def frontier(self, budgets: Iterable[int | float | str] | None = None) -> list[FrontierPoint]:
         """Predicted (peak, step time) of the best plan at each budget (default: 10 budgets from the
         least achievable peak to no checkpointing's), from this plan's profile."""
         low = minimum_peak(self.profile)
+        if low >= INFEASIBLE:
+            return []
         high = max(self.reference_peak, low)
         if budgets is None:
             values = [int(low + (high - low) * i / 9) for i in range(10)]
@@ -158,31 +185,61 @@ class Plan:
         return points
 
 
-def _reference(profile: Profile) -> tuple[int, float]:
+def reference(profile: Profile) -> tuple[int, float]:
+    """Predicted (peak, seconds) of the step without checkpointing, from the profile (the model never
+    runs so). Where keeping a block could not be measured within the budget, its held bytes are what
+    its forward saves (counted) and its transient that of its recompute beyond them; the peak is
+    never below ``profile.unchecked_floor``."""
     keep = ["keep"] * len(profile.blocks)
-    if all("keep" in b.held for b in profile.blocks):
-        return rounded_peak(profile, keep), profile.seconds_of(keep)
-    return 0, 0.0
+    if "keep" not in profile.choices:
+        return 0, 0.0
+    if all(feasible(b, "keep") for b in profile.blocks) and profile.other_held < INFEASIBLE:
+        return max(rounded_peak(profile, keep), profile.unchecked_floor), profile.seconds_of(keep)
+    blocks = []
+    for block in profile.blocks:
+        if feasible(block, "keep"):
+            blocks.append(block)
+            continue
+        measured = [c for c in profile.choices if feasible(block, c)]
+        transient = max((block.transient[c] for c in measured), default=block.saved)
+        seconds = min((block.seconds[c] for c in measured), default=0.0)
+        blocks.append(replace(block, held={**block.held, "keep": block.saved},
+                              transient={**block.transient, "keep": max(0, transient - block.saved)},
+                              seconds={**block.seconds, "keep": seconds}))
+    estimated = replace(profile, blocks=blocks)
+    if profile.other_held >= INFEASIBLE:
+        estimated.other_held, estimated.other_transient = profile.other_saved, profile.other_saved
+        estimated.other_seconds = min((float(e["seconds"]) for e in profile.outside.values()), default=0.0)
+    return max(estimated.peak_of(keep), profile.unchecked_floor), estimated.seconds_of(keep)
 
 
 def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, choices: Sequence[str] = BASE_CHOICES,
-         storage: str | Sequence[str] | None = None, prefetch: int = 2, repeats: int = 2, verify: bool = True,
-         retries: int = 4, reuse: Plan | None = None) -> Plan:
+         storage: str | Sequence[str] | None = None, prefetch: int = 2, repeats: int = 1, verify: bool = True,
+         retries: int = 6, reuse: Plan | None = None, memory: str = "process") -> Plan:
     """Choose, per block of ``model``, between keeping, selective recompute, full recompute and
     offload so that one training step on ``example_batch`` peaks at most ``budget`` bytes of
     activation memory, as fast as the measurements predict.
 
     ``budget``: bytes, a size string ("1.5GiB") or a fraction in (0, 1] of the step's peak without
-    checkpointing (predicted from the per-block profile: the model never runs unchecked).
+    checkpointing (predicted from the profile: the model never runs unchecked). It is memory the
+    process has above what it holds when ``acshim.plan`` is called (parameters, gradients): its
+    resident set on CPU, the caching allocator's reserved bytes on a GPU. Planning itself stays
+    within it (measurements that would go over it are stopped, their choice left out).
     ``choices``: a subset of ``keep, selective, selective-alt, recompute, offload, recompute+offload``.
     ``storage``: tier(s) for the offload choices (default ``"disk"`` on CPU, ``"host"`` otherwise).
     With ``verify`` the plan is applied once and measured; a plan measured over budget is re-solved
-    under a tighter budget, and never returned over budget. Raises ``ValueError`` for a budget below
-    the least achievable peak (naming it) or a model without repeated blocks. The model is left as
-    it was (apply the plan with ``plan.apply(model)``). ``reuse``: an earlier plan of this model
-    whose profile is solved again for this budget instead of profiling anew.
+    under a tighter budget, and never returned over budget. Raises ``BudgetTooSmall`` (a
+    ``ValueError``) for a budget below the least achievable peak (naming it) or ``ValueError`` for a
+    model without repeated blocks. The model is left as it was (apply the plan with
+    ``plan.apply(model)``). ``reuse``: an earlier plan of this model whose profile is solved again
+    for this budget instead of profiling anew. ``repeats`` is accepted for compatibility: every
+    choice is measured once, its time estimated operator by operator (``planner.costs``).
+    ``memory="tensors"``: the budget counts activation tensor storages only (no guard on the
+    process; for models whose activations are below the 1 MiB the process's memory resolves).
     """
+    from .session import PlanExit, PlanSession
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"acshim.plan needs an nn.Module, got {type(model).__name__}")
     if isinstance(budget, (int, float, str)) and not isinstance(budget, bool):
@@ -191,43 +248,60 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
         raise TypeError(f"budget must be bytes, a size string or a fraction, got {budget!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
+    check_memory_kind(memory)
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"acshim.plan: found no repeated blocks in {type(model).__name__} to plan for")
-    if storage is None:
-        device = next(model.parameters(), torch.empty(0)).device
-        tiers: tuple[str, ...] = ("disk",) if device.type == "cpu" else ("host",)
-    else:
-        tiers = (storage,) if isinstance(storage, str) else tuple(storage)
-    concrete = expand_choices(tuple(choices), tiers)
-    if "recompute" not in concrete:
-        concrete.append("recompute")  # profiling captures inputs under full recompute
+    tiers = None if storage is None else ((storage,) if isinstance(storage, str) else tuple(storage))
+    concrete = list(choices)
+    if tiers is not None:
+        from .choices import expand_choices
+
+        concrete = expand_choices(tuple(choices), tiers)
     if reuse is not None:
         reuse._blocks_of(model)  # same model, else ValueError
-    snapshot = ModelSnapshot(model)  # buffers, module state, RNG: as they were before planning
-    with contextlib.ExitStack() as undo:
-        undo.callback(snapshot.restore)
-        undo.enter_context(parameters_aliased(model))  # hooks on the real parameters never see planning
-        if reuse is not None:
-            profile = reuse.profile
-        else:
-            profile = profile_model(model, example_batch, loss_fn=loss_fn, choices=concrete, prefetch=prefetch,
-                                    repeats=repeats, blocks=blocks)
-        measure = None if not verify else (
-            lambda candidate: _verify(model, example_batch, loss_fn, candidate, blocks))
-        return solve_within(profile, budget, measure, retries=retries)
-
-
-def solve_within(profile: Profile, budget: int | float | str,
-                 measure: Callable[[Plan], tuple[int, int]] | None, *, retries: int = 4) -> Plan:
-    """The fastest plan of ``profile`` under ``budget``; with ``measure`` (a candidate plan ->
-    measured ``(held, peak)``) a plan measured over budget is re-solved under a tighter one, and
-    never returned over budget. ``BudgetTooSmall`` names the least achievable peak. When the
-    re-solves run out and offload was among the choices, the choices that offload nothing are
-    solved once more: copies still in flight to a slow tier (a loaded machine) can keep an
-    offloading plan over budget however it is tightened, while recompute's memory does not vary."""
+    state = ModelState(model, blocks)  # the blocks' forwards: recompute regions while planning
+    session = PlanSession(budget, choices=tuple(concrete), storage=None if tiers is None else tiers[0],
+                          prefetch=prefetch, repeats=repeats, exit_after_plan=True, loss_fn=loss_fn, verify=verify,
+                          retries=retries, reuse=reuse.profile if reuse is not None else None, api=True,
+                          feedback=False, memory=memory)
+    model.train()
     try:
-        return _solve_within(profile, budget, measure, retries)
+        install_outside(model, "keep")  # a plan applied before offloads the outside part: not while planning
+        for _, block in blocks:
+            install(block, "recompute")  # each block a region the session routes
+        session.start(baseline_now=True)
+        try:
+            run_step(model, example_batch, loss_fn)
+        except PlanExit as done:
+            if done.code != 0:
+                raise ValueError(done.message) from None
+        else:
+            raise ValueError(f"acshim.plan: no block of {type(model).__name__} ran with grad enabled")
+    finally:
+        session.stop()
+        state.restore()
+    result = session.plan
+    assert result is not None
+    if reuse is not None:
+        result.blocks = list(reuse.blocks)
+    return result
+
+
+def solve_within(profile: Profile, budget: int | float | str, measure: Callable[[Plan], Any] | None, *,
+                 retries: int = 6, overhead: int = 0, skip: tuple[list[str], str] | None = None) -> Plan:
+    """The fastest plan of ``profile`` under ``budget``; with ``measure`` (a candidate plan -> a
+    ``profiler.Verification``) a plan measured over budget, by the process where it can be read,
+    is re-solved under a tighter target, and never returned over budget. ``overhead``: what the
+    process already holds above the step's start that no block profile counts (the interrupted
+    step's first part, worker threads, their buffers): the first target is the budget less it.
+    ``BudgetTooSmall`` names the least achievable peak. When the re-solves run out and offload was
+    among the choices, the choices that offload nothing are solved once more: copies still in
+    flight to a slow tier (a loaded machine) can keep an offloading plan over budget however it is
+    tightened, while recompute's memory does not vary. ``skip``: a plan already verified (re-solving
+    at run time): returned unverified if solved again."""
+    try:
+        return _solve_within(profile, budget, measure, retries, overhead, skip)
     except BudgetTooSmall:
         raise
     except ValueError as error:
@@ -241,7 +315,7 @@ def solve_within(profile: Profile, budget: int | float | str,
                                              seconds={c: b.seconds[c] for c in kept}, window={})
                                      for b in profile.blocks])
         try:
-            result = _solve_within(restricted, budget, measure, retries)
+            result = _solve_within(restricted, budget, measure, retries, overhead, skip)
         except ValueError:
             raise error from None
         result.notes.append(f"offloading plans stayed over budget when measured ({error}); solved again without "
@@ -249,45 +323,81 @@ def solve_within(profile: Profile, budget: int | float | str,
         return result
 
 
-def _solve_within(profile: Profile, budget: int | float | str,
-                  measure: Callable[[Plan], tuple[int, int]] | None, retries: int) -> Plan:
-    reference_peak, reference_seconds = _reference(profile)
-    budget_bytes = parse_budget(budget, reference_peak or profile.recompute_step["peak"])
+def _solve_within(profile: Profile, budget: int | float | str, measure: Callable[[Plan], Any] | None,
+                  retries: int, overhead: int, skip: tuple[list[str], str] | None) -> Plan:
+    reference_peak, reference_seconds = reference(profile)
+    budget_bytes = parse_budget(budget, reference_peak or int(profile.recompute_step.get("saved", 0)))
     notes = []
     if reference_peak == 0:
         notes.append("'keep' not among the choices: ratios are not shown")
-    target = budget_bytes
-    for _ in range(retries + 1):
+    accept = int(budget_bytes * (1 - HEADROOM))
+    target = accept - overhead
+    seen_peaks: list[str] = []
+    for attempt in range(retries + 1):
         try:
             found: Solution = solve(profile, target)
         except BudgetTooSmall as error:
-            if target == budget_bytes:
-                raise BudgetTooSmall(budget_bytes, error.minimum) from None
+            if attempt == 0:  # the least peak with what the process holds besides, and the headroom
+                least = math.ceil((error.minimum + overhead) / (1 - HEADROOM))
+                raise BudgetTooSmall(budget_bytes, least, overhead, profile) from None
             raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)}: predictions were "
-                             f"low by up to {format_bytes(budget_bytes - target)} and the tightened budget is below "
-                             f"the least achievable peak {format_bytes(error.minimum)}") from None
+                             f"low by up to {format_bytes(budget_bytes - overhead - target)} and the tightened "
+                             f"budget is below the least achievable peak {format_bytes(error.minimum + overhead)}"
+                             ) from None
         result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
-                      notes=list(notes), outside=found.outside)
-        if measure is None:
+                      notes=list(notes), outside=found.outside, overhead=overhead)
+        if measure is None or (skip is not None and (found.choices, found.outside) == skip):
             return result
-        held, peak = measure(result)
-        result.measured_held, result.measured_peak = held, peak
-        if peak <= budget_bytes:
-            if target != budget_bytes:
+        verified = measure(result)
+        result.measured_held, result.measured_peak = verified.held, verified.peak
+        result.measured_process_peak = verified.process_peak
+        seen = verified.process_peak if verified.process_peak is not None else verified.peak
+        seen_peaks.append(f"{format_bytes(result.peak + overhead)} predicted, "
+                          f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
+        if not verified.stopped and seen <= accept:
+            result.verified_seconds = verified.seconds
+            if target != accept - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")
             return result
-        target -= peak - budget_bytes + unit_of(profile)
-    raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves")
+        if verified.stopped:
+            # stopped on its way over: where it stopped, the process held ``seen`` above the step's
+            # start for the tracker's ``live_at_stop`` activation bytes (heap slack, copies in flight:
+            # with glibc's default settings freed tensors stay in the heap). Scale the target for the
+            # activations by that ratio (at most 1.3 at a time: where the heap keeps freed memory the
+            # resident set runs ahead of the live bytes early in a step), and 2% more.
+            if verified.live_at_stop > 0:
+                ratio = min(1.3, max(1.0, (seen - overhead) / verified.live_at_stop))
+                target = min(target - unit_of(profile), int(target / ratio) - budget_bytes // 50)
+            else:  # measured by the process alone: 5% of the budget at a time
+                target -= max(unit_of(profile), budget_bytes // 20)
+        else:
+            target -= max(seen - accept, unit_of(profile))
+    raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "
+                     f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
 
 
-def _verify(model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None, result: Plan,
-            blocks: list[tuple[str, nn.Module]]) -> tuple[int, int]:
-    state = ModelState(model, blocks)
-    model.train()
-    try:
-        result.apply(model)
-        model.zero_grad(set_to_none=True)
-        return measure_step(model, batch, loss_fn)
-    finally:
-        state.restore()
+class PlanFileMismatch(ValueError):
+    """A saved plan does not fit this run (another model, batch shape or budget)."""
+
+
+def load_plan_file(path: str, root: nn.Module, budget: int | float | str, shapes: list[list[int]]) -> Plan:
+    """The plan ``path`` holds, if it was made for ``root``'s parameters, this batch's input shapes
+    (or larger ones) and this budget; ``PlanFileMismatch`` saying which differs otherwise."""
+    loaded = Plan.load(path)
+    wanted = parse_budget(budget, loaded.reference_peak or 1)
+    if wanted != loaded.budget:
+        raise PlanFileMismatch(f"it was made for a budget of {format_bytes(loaded.budget)} ({loaded.budget} bytes), "
+                               f"this run asks for {format_bytes(wanted)}; delete the file to plan again")
+    names = dict(root.named_modules())
+    missing = [name for name in loaded.blocks if name not in names and not name.startswith("region")]
+    blocks = [(name, names.get(name, root)) for name in loaded.blocks]
+    if missing or model_signature(root, blocks) != loaded.profile.signature:
+        raise PlanFileMismatch(f"it was made for another model (signature {loaded.profile.signature}); delete the "
+                               "file to plan again")
+    planned = loaded.profile.inputs
+    if planned and (len(planned) != len(shapes) or any(len(a) != len(b) or any(x > y for x, y in zip(a, b))
+                                                         for a, b in zip(shapes, planned))):
+        raise PlanFileMismatch(f"it was made for inputs of shapes {planned}, this step's are {shapes}; delete the "
+                               "file to plan again")
+    return loaded

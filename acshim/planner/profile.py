@@ -1,28 +1,16 @@
-"""Measure each block once per choice, without ever running the whole model unchecked.
+"""What the planner measured: per block and choice, memory and time (``Profile``), and how one block
+is run alone to measure it (``measure_choice``).
 
-1. One step with every block fully recomputed, under ``LiveBytes``: it captures each block's inputs
-   and outputs (copies made outside the tracker).
-   What lies outside the blocks (embeddings, head, loss inside the forward) is then measured alone:
-   each block replays its recorded output (``replay``), one tracked step gives that part's held
-   and transient bytes, untracked ones its time; again per offload tier with that part's saved
-   tensors offloaded (``Profile.outside``). A fraction of a step each, where whole steps cost more.
-2. Each block alone, per choice, on its captured input: bytes held when its forward ends, the
-   transient above that during its recompute and backward, and its forward+backward time (fastest of
-   ``repeats`` untracked runs). Blocks with the same class, parameter shapes and input shapes share
-   one measurement. The block's input counts only if the block keeps it (it is a non-leaf there, as
-   in the model) and the incoming gradient only from backward on: in the model, a block's output is
-   the next block's input, counted once.
-   ``offload`` is measured in context: two copies of the block through one shared schedule, its
-   resident window sent out before forward ends as the next offloaded block would (and a second run
-   keeping it, for the last offloaded block), so its held bytes, its transient with the previous
-   block's tensors prefetched, its disk traffic and its time are those of a block among offloaded
-   blocks, not of a block alone (which kept its last tensors resident and never wrote them).
-The model's gradients, RNG state and forwards are restored afterwards.
+How a model is profiled (``profiler.RegionProfiler``), in short: one forward counts what each block
+and the part outside them would save without holding any of it; the outside part then runs alone
+with the blocks replaying outputs of the right shape (kept, and offloaded per tier); each distinct
+block runs alone once per choice, cheapest in memory first, on a copy of its input. Every
+measurement runs under a guard that stops it when the process goes over the budget (the choice is
+then ``INFEASIBLE``: no plan using it fits), and is timed operator by operator (``costs``).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -35,17 +23,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import structures
 from ..apply import _APPLIED
-from ..blocks import find_blocks
 from ..measure import default_loss
-from ..region_state import region_inputs
-from ..wrap import _MISSING
-from .choices import SharedOffload, install, install_outside, is_offload, outside_choices
-from .replay import Copies, recorded_keys, replay
+from .choices import SharedOffload, is_offload
+from .costs import RunTime, Stopwatch
 from .tracker import LiveBytes, excluded_keys, grad_keys, storage_key
 
-METHOD = ("measured block by block: one step with every block fully recomputed captured each block's input and "
-          "output, the rest of the model ran alone (blocks replayed), kept and offloaded, then each block ran alone "
-          "per choice (offload: two copies through one shared schedule)")
+INFEASIBLE = 1 << 62
+"""Held bytes of a choice that could not be measured within the budget (its measurement alone went
+over it, so no plan using it fits). Large, so a maximum over ranks keeps it."""
 
 
 @dataclass
@@ -53,7 +38,8 @@ class BlockProfile:
     """Measurements of one block: per choice, bytes held after forward, transient bytes above that
     during its backward (recompute included), and forward+backward seconds. ``window``: for the
     ``offload`` choices, the bytes of the shared schedule's resident window (its last tensors, kept
-    until backward when no offloaded block follows; prefetched ahead into the blocks before it)."""
+    until backward when no offloaded block follows; prefetched ahead into the blocks before it).
+    ``saved``: bytes its forward saves for backward without checkpointing (counted, never held)."""
 
     name: str
     held: dict[str, int]
@@ -61,6 +47,12 @@ class BlockProfile:
     seconds: dict[str, float]
     shared_with: str | None = None
     window: dict[str, int] = field(default_factory=dict)
+    saved: int = 0
+
+
+def feasible(block: BlockProfile, choice: str) -> bool:
+    """True if ``choice`` was measured within the budget for ``block``."""
+    return block.held.get(choice, INFEASIBLE) < INFEASIBLE
 
 
 @dataclass
@@ -74,30 +66,48 @@ class Profile:
     other_seconds: float
     signature: str
     prefetch: int
-    method: str = METHOD
+    method: str = ""
     recompute_step: dict[str, float] = field(default_factory=dict)
     outside: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per offload choice for what lies outside the blocks (``offload:disk``): its ``held``,
     ``transient`` and ``seconds`` with that part's saved tensors offloaded (``keep``: the
     ``other_*`` fields)."""
+    other_saved: int = 0
+    """Bytes the part outside the blocks saves for backward (counted, never held)."""
+    inputs: list[list[int]] = field(default_factory=list)
+    """Shapes of the step's input tensors the profile was measured on."""
+    stops: dict[str, int] = field(default_factory=dict)
+    """Parts whose measurement the budget stopped, with what the process held then."""
+    unchecked_floor: int = 0
+    """A lower bound of no checkpointing's peak from the step run on fake tensors (0: none): what
+    ``plan.reference`` never goes below where the budget stopped the measurements it adds up."""
 
     def outside_choices(self) -> list[str]:
-        """``keep`` and the profiled offload choices for the part outside the blocks."""
-        return ["keep", *self.outside]
+        """The choices for the part outside the blocks that were measured within the budget."""
+        return [c for c in ["keep", *self.outside] if self.other(c)[0] < INFEASIBLE]
 
     def other(self, outside: str = "keep") -> tuple[int, int, float]:
         """``(held, transient, seconds)`` of the part outside the blocks run as ``outside``."""
         if outside == "keep":
             return self.other_held, self.other_transient, self.other_seconds
         if outside not in self.outside:
-            raise ValueError(f"outside choice {outside!r} was not profiled; profiled: {self.outside_choices()}")
+            raise ValueError(f"outside choice {outside!r} was not profiled; profiled: {['keep', *self.outside]}")
         entry = self.outside[outside]
         return int(entry["held"]), int(entry["transient"]), float(entry["seconds"])
 
     def window(self) -> int:
-        """Bytes of the shared offload schedule's resident window (largest over blocks), 0 without
-        an offload choice."""
-        return max((size for b in self.blocks for c, size in b.window.items() if is_offload(c)), default=0)
+        """Bytes the shared offload schedule holds besides the blocks' own, from the first offloaded
+        block on: its resident window (largest over blocks) and the copies it lets be in flight
+        (``SharedOffload.IN_FLIGHT``); 0 without an offload choice."""
+        windows = [size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)]
+        return max(windows) + self.in_flight() if windows else 0
+
+    def in_flight(self) -> int:
+        """Bytes an offloading plan may have in flight: the tier's back-pressure bound, or what two
+        blocks save, if less (copies cannot be larger than what was saved)."""
+        largest = max((max(b.saved, b.held.get("keep", 0) if feasible(b, "keep") else 0) for b in self.blocks),
+                      default=0)
+        return min(SharedOffload.IN_FLIGHT, 2 * largest) if largest else SharedOffload.IN_FLIGHT
 
     def peak_of(self, assignment: list[str], outside: str = "keep") -> int:
         """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes;
@@ -112,10 +122,11 @@ class Profile:
             extra = window if (seen or first) and not is_offload(choice) else 0
             worst = max(worst, prefix + block.transient[choice] + extra)
             seen = seen or is_offload(choice)
-        return other_held + max(worst, prefix + other_transient + (window if seen else 0))
+        return min(INFEASIBLE, other_held + max(worst, prefix + other_transient + (window if seen else 0)))
 
     def held_of(self, assignment: list[str], outside: str = "keep") -> int:
-        return self.other(outside)[0] + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
+        held = self.other(outside)[0] + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))
+        return min(INFEASIBLE, held)
 
     def seconds_of(self, assignment: list[str], outside: str = "keep") -> float:
         return self.other(outside)[2] + sum(b.seconds[c] for b, c in zip(self.blocks, assignment, strict=True))
@@ -124,7 +135,8 @@ class Profile:
         return {"blocks": [vars(b) for b in self.blocks], "choices": self.choices, "other_held": self.other_held,
                 "other_transient": self.other_transient, "other_seconds": self.other_seconds,
                 "signature": self.signature, "prefetch": self.prefetch, "method": self.method,
-                "recompute_step": self.recompute_step, "outside": self.outside}
+                "recompute_step": self.recompute_step, "outside": self.outside, "other_saved": self.other_saved,
+                "inputs": self.inputs, "stops": self.stops}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
@@ -142,6 +154,11 @@ def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (inputs,), {}
 
 
+def input_shapes(args: Any, kwargs: Any) -> list[list[int]]:
+    """Shapes of the tensors among a call's arguments, in order."""
+    return [list(leaf.shape) for leaf in structures.flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+
+
 def model_signature(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str:
     """A digest of the model's blocks and parameter names and shapes (plans are tied to it)."""
     digest = hashlib.sha256()
@@ -153,7 +170,7 @@ def model_signature(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> st
 
 
 class ModelState:
-    """Snapshot of what profiling touches: block forwards, parameter gradients, RNG states."""
+    """Snapshot of what planning touches: block forwards, parameter gradients, RNG states."""
 
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
         self.model = model
@@ -176,8 +193,7 @@ class ModelState:
         self.model.train(self.training)
 
 
-
-def _grad_flags(value: Any) -> list[bool]:
+def grad_flags(value: Any) -> list[bool]:
     leaves, _ = structures.flatten(value)
     return [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves]
 
@@ -198,7 +214,8 @@ def run_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
 def measure_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None
                  ) -> tuple[int, int]:
     """``(held after forward, peak)`` activation bytes of one training step of ``model`` as it is
-    (parameter gradients and the inputs excluded). Gradients accumulate as in a real step."""
+    (parameter gradients and the inputs excluded), counted by the storage tracker. Gradients
+    accumulate as in a real step."""
     tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)))
     with tracker:
         run_step(model, inputs, loss_fn, tracker)
@@ -208,39 +225,26 @@ def measure_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.T
     return series[tracker.marks["forward"] - 1] if tracker.marks["forward"] else 0, max(series, default=0)
 
 
-def _block_step(block: Callable[..., Any], args: Any, kwargs: Any, flags: list[bool], tracker: LiveBytes | None,
-                copies: int = 1, before_mark: Callable[[], None] | None = None,
-                frozen: Sequence[nn.Parameter] = ()) -> None:
-    """One forward and backward of ``copies`` independent calls of ``block`` on fresh copies of its
-    inputs. The inputs that need grad are non-leaf (counted only if the block keeps them, as in the
-    model); the cotangents are not counted (the incoming gradient is, from backward on).
-    ``before_mark`` runs when forward ends, before it is marked. ``frozen``: parameters that get no
-    gradient from all copies but the last (in the model each block has its own: a second copy's
-    parameter gradients, summed into the first's, are no transient of the model's)."""
+def block_step(block: Callable[..., Any], args: Any, kwargs: Any, flags: list[bool], tracker: LiveBytes | None,
+               before_mark: Callable[[], None] | None = None) -> None:
+    """One forward and backward of ``block`` on fresh copies of its inputs. The inputs that need
+    grad are non-leaf (counted only if the block keeps them, as in the model); the cotangents are
+    not counted (the incoming gradient is, from backward on). ``before_mark`` runs when forward
+    ends, before it is marked."""
     leaves, rebuild = structures.flatten((args, kwargs))
-    outs = []
-    for copy in range(copies):
-        freeze = [p for p in frozen if p.requires_grad] if copy < copies - 1 else []
-        for param in freeze:
-            param.requires_grad_(False)
-        with _disable_current_modes():
-            fresh = [leaf.detach().clone().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
-                     for leaf, flag in zip(leaves, flags, strict=True)]
-        if tracker is not None:
-            tracker.excluded |= {key[0] for leaf in fresh if isinstance(leaf, torch.Tensor)
-                                 and (key := storage_key(leaf))}
-        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf for leaf in fresh]
-        call_args, call_kwargs = rebuild(inputs)
-        del fresh, inputs
-        try:
-            output = block(*call_args, **call_kwargs)
-        finally:
-            for param in freeze:
-                param.requires_grad_(True)
-        del call_args, call_kwargs
-        outs += [leaf for leaf in structures.flatten(output)[0]
-                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
-        del output
+    with _disable_current_modes():
+        fresh = [leaf.detach().clone().requires_grad_(flag) if isinstance(leaf, torch.Tensor) else leaf
+                 for leaf, flag in zip(leaves, flags, strict=True)]
+    if tracker is not None:
+        tracker.excluded |= {key[0] for leaf in fresh if isinstance(leaf, torch.Tensor) and (key := storage_key(leaf))}
+    inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf for leaf in fresh]
+    call_args, call_kwargs = rebuild(inputs)
+    del fresh, inputs
+    output = block(*call_args, **call_kwargs)
+    del call_args, call_kwargs
+    outs = [leaf for leaf in structures.flatten(output)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
+    del output
     with _disable_current_modes():
         generator = torch.Generator().manual_seed(0)
         cotangents = [torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device) for o in outs]
@@ -257,204 +261,67 @@ def _block_step(block: Callable[..., Any], args: Any, kwargs: Any, flags: list[b
     del loss
 
 
+@dataclass
+class ChoiceMeasurement:
+    """One block run as one choice: bytes held after forward, transient above that, the offload
+    schedule's resident window, and the timed run (``RunTime``: seconds are estimated once every
+    choice has been measured, see ``costs``)."""
+
+    held: int
+    transient: int
+    window: int
+    run: RunTime
+
+
 def measure_choice(call: Callable[..., Any], args: Any, kwargs: Any, flags: list[bool], excluded: set[int],
-                   grads: Callable[[], set[int]], reset: Callable[[], None], offload: SharedOffload | None,
-                   repeats: int, params: Sequence[nn.Parameter] = ()) -> tuple[int, int, float, int]:
-    """``(held, transient, seconds, window)`` of one block run as a choice (``call``); ``offload``:
-    the shared schedule ``call`` offloads through, for the ``offload`` choices (measured in
-    context, see the module docstring); ``params``: the block's parameters."""
-
-    def tracked(copies: int, flush: Callable[[], None] | None) -> tuple[int, int]:
-        reset()
-        tracker = LiveBytes(set(excluded))
-        with tracker:
-            _block_step(call, args, kwargs, flags, tracker, copies, flush, params)
-            tracker.mark("end")
-        series = tracker.series(grads())
-        tracker.release()
-        return series[tracker.marks["forward"] - 1], max(series)
-
-    # Timed first: the untracked runs also warm up (a disk tier's files, lazy initialisation).
-    if offload is None:
-        seconds = _timed(functools.partial(_block_step, call, args, kwargs, flags, None), repeats)
-        held, peak = tracked(1, None)
-        reset()
-        return held, peak - held, seconds, 0
-    seconds = _timed(functools.partial(_block_step, call, args, kwargs, flags, None, 2, offload.flush), repeats) / 2
-    held_kept, peak_kept = tracked(2, None)  # the last offloaded block: its window stays resident
-    held_sent, peak_sent = tracked(2, offload.flush)  # a block followed by offloaded blocks
+                   grads: Callable[[], set[int]], reset: Callable[[], None], offload: SharedOffload | None
+                   ) -> ChoiceMeasurement:
+    """One block run alone as one choice (``call``), tracked and timed. ``offload``: the shared
+    schedule ``call`` offloads through: then, when forward ends, the bytes held with the schedule's
+    resident window still there are noted (what the last offloaded block leaves resident: the
+    window) and the window is sent out before backward, as the next offloaded block's saves would:
+    held bytes, transient with the window prefetched back, time, copies to the tier and back, from one
+    run. The block's transient with the previous block's window being prefetched is its own plus
+    that window."""
     reset()
-    return -(-held_sent // 2), max(peak_kept, peak_sent) - held_sent, seconds, max(0, held_kept - held_sent)
+    tracker = LiveBytes(set(excluded), timed=True)
 
+    def send_window() -> None:
+        assert offload is not None
+        tracker.mark("kept")
+        offload.flush()
 
-def _block_key(block: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
-    leaves, _ = structures.flatten((args, kwargs))
-    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)[:64] for t in leaves)
-    params = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
-    return type(block), params, shapes
-
-
-def profile_model(model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None,
-                  choices: list[str], prefetch: int, repeats: int = 2,
-                  blocks: list[tuple[str, nn.Module]] | None = None) -> Profile:
-    """Measure ``model``'s blocks per choice (see the module docstring)."""
-    blocks = blocks if blocks is not None else find_blocks(model)
-    if not blocks:
-        raise ValueError(f"acshim.plan: found no repeated blocks in {type(model).__name__} to plan for")
-    state = ModelState(model, blocks)
-    model.train()
-    try:
-        install_outside(model, "keep")  # a plan applied before offloads the outside part: not while profiling
-        return _profile(model, inputs, loss_fn, choices, prefetch, repeats, blocks)
-    finally:
-        state.restore()
-
-
-def _profile(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None, choices: list[str],
-             prefetch: int, repeats: int, blocks: list[tuple[str, nn.Module]]) -> Profile:
-    captured: dict[str, tuple[Any, Any, list[bool]]] = {}
-    outputs: dict[str, Any] = {}
-    copies = Copies()
-    tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)))
-    handles = []
-
-    def capture(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if name not in captured and torch.is_grad_enabled():
-                # what a region of this block receives: a Hugging Face cache dropped (a block run
-                # again on a captured cache would extend it and backpropagate into a freed graph)
-                args, kwargs = region_inputs(module.forward, tuple(args), dict(kwargs))
-                captured[name] = (*copies((args, kwargs)), _grad_flags((args, kwargs)))
-        return hook
-
-    def record(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if name not in outputs and torch.is_grad_enabled():
-                outputs[name] = copies(output)
-        return hook
-
-    for name, block in blocks:
-        install(block, "recompute")
-        handles.append(block.register_forward_pre_hook(capture(name), with_kwargs=True))
-        handles.append(block.register_forward_hook(record(name)))
-    try:
-        held_full, peak_full, whole_peak = _model_step_bytes(model, inputs, loss_fn, blocks, tracker)
-    finally:
-        for handle in handles:
-            handle.remove()
-    model.zero_grad(set_to_none=True)
-    # What lies outside the blocks, alone (blocks replayed): kept, and offloaded per tier
-    outside: dict[str, dict[str, float]] = {}
-    for choice in outside_choices(model, choices):
-        held, peak, seconds = _outside_alone(model, inputs, loss_fn, blocks, outputs, choice, prefetch, repeats)
-        outside[choice] = {"held": held, "transient": max(0, peak - held), "seconds": seconds}
-    kept = outside.pop("keep")
-    _err_high(kept, outside, whole_peak - held_full)
-
-    profiles: list[BlockProfile] = []
-    measured: dict[tuple[Any, ...], BlockProfile] = {}
-    for name, block in blocks:
-        if name not in captured:
-            raise ValueError(f"acshim.plan: block {name} did not run in the model's forward")
-        args, kwargs, flags = captured[name]
-        key = _block_key(block, args, kwargs)
-        if key in measured:
-            first = measured[key]
-            profiles.append(BlockProfile(name, dict(first.held), dict(first.transient), dict(first.seconds), first.name,
-                                         dict(first.window)))
-            continue
-        held, transient, seconds, window = {}, {}, {}, {}
-        excluded = excluded_keys(block, (args, kwargs))
-        for choice in choices:
-            shared: dict[str, SharedOffload] = {}
-            install(block, choice, prefetch, shared)
-            held[choice], transient[choice], seconds[choice], window[choice] = measure_choice(
-                block, args, kwargs, flags, excluded, functools.partial(grad_keys, block),
-                functools.partial(block.zero_grad, set_to_none=True),
-                next(iter(shared.values())) if is_offload(choice) else None, repeats, list(block.parameters()))
-        install(block, "recompute")
-        measured[key] = BlockProfile(name, held, transient, seconds, window=window)
-        profiles.append(measured[key])
-    seconds = kept["seconds"] + sum(p.seconds["recompute"] for p in profiles)
-    return Profile(blocks=profiles, choices=list(choices), other_held=int(kept["held"]),
-                   other_transient=int(kept["transient"]), other_seconds=kept["seconds"],
-                   signature=model_signature(model, blocks), prefetch=prefetch,
-                   recompute_step={"held": held_full, "peak": peak_full, "seconds": seconds}, outside=outside)
-
-
-def _model_step_bytes(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                      blocks: list[tuple[str, nn.Module]], tracker: LiveBytes) -> tuple[int, int, int]:
-    """One step under ``tracker``: ``(held after forward, peak, peak outside the blocks)``, the last
-    over forward and the head's backward (up to the gradient reaching the last block)."""
-
-    def head_done(module: nn.Module, args: Any, output: Any) -> None:
-        if "forward" in tracker.marks or not torch.is_grad_enabled():
-            return
-        for leaf in structures.flatten(output)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(lambda grad: tracker.mark("head") if "head" not in tracker.marks else None)
-                break
-
-    handle = blocks[-1][1].register_forward_hook(head_done)
-    model.zero_grad(set_to_none=True)
-    try:
-        with tracker:
-            run_step(model, inputs, loss_fn, tracker)
-            tracker.mark("end")
-    finally:
-        handle.remove()
-    series = tracker.series(grad_keys(model))
+    with tracker:
+        with Stopwatch() as watch:
+            block_step(call, args, kwargs, flags, tracker, send_window if offload is not None else None)
+            if offload is not None:
+                offload.session.raise_write_errors(wait=True)  # its copies' time is part of it
+        tracker.mark("end")
+    series = tracker.series(grads())
     tracker.release()
-    held = series[tracker.marks["forward"] - 1]
-    head_end = tracker.marks.get("head", len(series))
-    return held, max(series), max(series[:max(head_end, tracker.marks["forward"])])
+    reset()
+    held, peak = series[tracker.marks["forward"] - 1], max(series)
+    run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+    if offload is None:
+        return ChoiceMeasurement(held, peak - held, 0, run)
+    window = max(0, series[tracker.marks["kept"] - 1] - held) if tracker.marks["kept"] else 0
+    return ChoiceMeasurement(held, max(peak - held, window), window, run)
 
 
-def _outside_alone(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                   blocks: list[tuple[str, nn.Module]], outputs: dict[str, Any], outside: str, prefetch: int,
-                   repeats: int) -> tuple[int, int, float]:
-    """``(held after forward, peak up to the head's backward, seconds)`` of the part of the model
-    outside the blocks run as ``outside``, each block replaced by its recorded output
-    (``replay``); the blocks' and the model's forwards are put back afterwards."""
-    forwards = [block.__dict__.get("forward", _MISSING) for _, block in blocks]
-    for name, block in blocks:
-        block.forward = functools.partial(_replayed, outputs[name])
-    try:
-        install_outside(model, outside, prefetch, {})
-        model.zero_grad(set_to_none=True)
-        tracker = LiveBytes(excluded_keys(model, split_inputs(inputs)) | recorded_keys(outputs))
-        held, _, peak = _model_step_bytes(model, inputs, loss_fn, blocks, tracker)  # warms a tier up too
-        model.zero_grad(set_to_none=True)
-        seconds = _timed(lambda: run_step(model, inputs, loss_fn), repeats)
-    finally:
-        install_outside(model, "keep")
-        for (_, block), forward in zip(blocks, forwards, strict=True):
-            if forward is _MISSING:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = forward
-        model.zero_grad(set_to_none=True)
-    return held, peak, seconds
+def block_key(owner: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """Blocks with the same class, parameter shapes and input shapes share one measurement."""
+    leaves, _ = structures.flatten((args, kwargs))
+    shapes = tuple((tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t)[:64]
+                   for t in leaves)
+    params = tuple((n, tuple(p.shape), p.requires_grad) for n, p in owner.named_parameters())
+    return type(owner), params, shapes
 
 
-def _err_high(kept: dict[str, float], offloaded: dict[str, dict[str, float]], whole_transient: int) -> None:
-    """Raise the outside part's transients (in place) by what the profiling step of the whole model
-    saw above the replayed one (the blocks' own forward transients, which the replay leaves out):
-    the prediction errs towards more memory, equally for each outside choice."""
-    extra = max(0, whole_transient - int(kept["transient"]))
-    for entry in (kept, *offloaded.values()):
-        entry["transient"] = int(entry["transient"]) + extra
+def elapsed(function: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
 
 
-def _replayed(recorded: Any, *args: Any, **kwargs: Any) -> Any:
-    return replay(recorded, args, kwargs)
-
-
-
-def _timed(function: Callable[[], None], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return best
+def parameters_of(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for module in modules for p in module.parameters()]

@@ -17,6 +17,18 @@ same shared schedule (``Profile.outside``, measured with the blocks recomputed).
 embeddings' tensors come before every block, so the window is resident during every block that is
 not offloaded. The solver runs once per outside choice and keeps the fastest.
 
+A choice that planning could not measure within the budget (``profile.INFEASIBLE``: its
+measurement alone went over, so no plan using it fits) is never picked.
+
+Risk. Measured times carry noise, and offloading's time depends on a storage tier and on threads
+that share the cores with compute, so it varies with machine load more than compute does. The
+solver's objective charges each offloaded block (and an offloaded outside part) a premium of ``RISK``
+of its computing time. Among the plans whose objective is within ``NOISE`` of the best, it takes
+the one with the least predicted peak (more room under the budget; a deterministic pick among plans
+noise cannot tell apart, so the same profile up to noise gives the same plan), and a plan that
+offloads gives way to the best one that does not when that one is predicted within ``NOISE`` of it.
+Exact ties go to the choice listed first (keep, selective, recompute before offload).
+
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
 block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
 window) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
@@ -28,15 +40,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .budget import format_bytes
-from .choices import is_offload
-from .profile import Profile
+from .choices import is_offload, split_outside
+from .profile import INFEASIBLE, Profile, feasible
 
 UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
+RISK = 0.03
+"""Premium, as a share of a block's computing time, charged for offloading it (see the docstring)."""
+NOISE = 0.03
+"""Plans predicted within this share of the best are told apart by risk, not time (module docstring)."""
 
 
 @dataclass
@@ -51,18 +68,61 @@ class Solution:
 
 
 class BudgetTooSmall(ValueError):
-    """The budget is below the least peak any combination of choices reaches."""
+    """The budget is below the least peak any combination of choices reaches. ``minimum`` is that
+    peak; ``suggested``, a budget that plans (the minimum with room for what predictions miss);
+    with the profile, the message names what dominates the least peak."""
 
-    def __init__(self, budget: int, minimum: int) -> None:
-        super().__init__(f"budget {format_bytes(budget)} ({budget} bytes) is below the least achievable peak "
-                         f"activation memory, {format_bytes(minimum)} ({minimum} bytes), with these choices")
+    MARGIN = 0.05
+    """Room above the least predicted peak in the suggested budget: the least plan is verified as the
+    process sees it, and a suggestion exactly at the prediction fails on any error in it."""
+
+    @classmethod
+    def forward_alone(cls, budget: object, stop: Any, no_checkpointing: int = 0, overhead: int = 0
+                      ) -> BudgetTooSmall:
+        """One forward of the model, keeping nothing for backward, went over the budget (a share of
+        no checkpointing's peak, which holds at least that): no plan fits. ``stop``: the guard's
+        ``OverBudget`` (where, which operator, how many bytes). ``no_checkpointing``: that peak,
+        from a step on fake tensors where it ran: running without checkpointing needs it (and
+        ``overhead``, what the process held besides), so a budget with it, and room for what
+        tensors do not show, plans; else ``UNMEASURED`` times what the forward would have held."""
+        error = cls.__new__(cls)
+        error.budget, error.minimum = 0, INFEASIBLE
+        error.parts = [(f"{stop.what}: {stop.operator or 'an operator'} would have made", stop.size)] if stop.size else []
+        error.suggested = (int((no_checkpointing + overhead) * (1 + 2 * cls.MARGIN)) if no_checkpointing
+                           else UNMEASURED * stop.used)
+        made = f" ({stop.operator} would have made {format_bytes(stop.size)} of output)" if stop.size else ""
+        share = "of no checkpointing's peak can be" if isinstance(budget, (float, str)) and \
+            "." in str(budget) and not str(budget).lower().endswith("b") else "allows"
+        ValueError.__init__(error, f"one forward of the model, keeping nothing for backward, needs more than the "
+                                   f"budget {budget} {share}: in {stop.what}{made} the process would have held "
+                                   f"{format_bytes(stop.used)} above the step's start")
+        return error
+
+    def __init__(self, budget: int, minimum: int, overhead: int = 0, profile: Profile | None = None) -> None:
         self.budget, self.minimum = budget, minimum
+        self.parts = breakdown(profile, overhead) if profile is not None and minimum < INFEASIBLE else []
+        self.suggested = int(minimum * (1 + self.MARGIN)) if minimum < INFEASIBLE else 0
+        if minimum >= INFEASIBLE:
+            part = unmeasured(profile)
+            reached = max((size for what, size in (profile.stops if profile is not None else {}).items()
+                           if what.endswith(part.removeprefix("block ")) or part.startswith("the part outside")
+                           and what.startswith("outside")), default=0)
+            text = (f"budget {format_bytes(budget)} ({budget} bytes) is too small to measure any way of running "
+                    f"{part} within it" + (f": the least its measurements needed was over {format_bytes(reached)}"
+                                           if reached else ""))
+            self.suggested = suggest_unmeasured(profile, budget) if profile is not None else 2 * budget
+        else:
+            text = (f"budget {format_bytes(budget)} ({budget} bytes) is below the least achievable peak activation "
+                    f"memory, {format_bytes(minimum)} ({minimum} bytes), with these choices")
+            if self.parts:
+                text += "; of that peak " + ", ".join(f"{what} {format_bytes(size)}" for what, size in self.parts[:3])
+        super().__init__(text)
 
 
 def unit_of(profile: Profile) -> int:
     """Bytes per unit of the memory axis for ``profile``."""
-    most = sum(max(b.held.values()) for b in profile.blocks) + max(
-        max(b.transient.values()) for b in profile.blocks) + profile.window()
+    most = sum(max((v for c, v in b.held.items() if feasible(b, c)), default=0) for b in profile.blocks) + max(
+        (v for b in profile.blocks for c, v in b.transient.items() if feasible(b, c)), default=0) + profile.window()
     return max(1, math.ceil(most / UNITS))
 
 
@@ -75,6 +135,8 @@ def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep")
     unit = unit_of(profile)
     other_held, other_transient, _ = profile.other(outside)
     window, seen, first = _up(profile.window(), unit) * unit, False, is_offload(outside)
+    if other_held >= INFEASIBLE or not all(feasible(b, c) for b, c in zip(profile.blocks, assignment, strict=True)):
+        return INFEASIBLE
     prefix, worst = 0, 0
     for block, choice in zip(profile.blocks, assignment, strict=True):
         prefix += _up(block.held[choice], unit) * unit
@@ -86,21 +148,42 @@ def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep")
 
 def minimum_peak(profile: Profile) -> int:
     """The least predicted peak over all assignments (bisection on the solver's feasibility)."""
-    least = [min(profile.choices, key=lambda c, b=b: (b.held[c], b.transient[c])) for b in profile.blocks]
-    low = min(sum(profile.other(o)[:2]) for o in profile.outside_choices())
-    high = max(min(rounded_peak(profile, least, o) for o in profile.outside_choices()), low)
+    outsides = profile.outside_choices()
+    if not outsides or not all(any(feasible(b, c) for c in profile.choices) for b in profile.blocks):
+        return INFEASIBLE
+    least = [min((c for c in profile.choices if feasible(b, c)), key=lambda c, b=b: (b.held[c], b.transient[c]))
+             for b in profile.blocks]
+    low = min(sum(profile.other(o)[:2]) for o in outsides)
+    high = max(min(rounded_peak(profile, least, o) for o in outsides), low)
     while low < high:
         middle = (low + high) // 2
-        if all(_search(profile, middle, o) is None for o in profile.outside_choices()):
+        if all(_search(profile, middle, o) is None for o in outsides):
             low = middle + 1
         else:
             high = middle
     return low
 
 
-def _search(profile: Profile, budget: int, outside: str = "keep") -> list[int] | None:
+def _objective(profile: Profile, choices: list[str]) -> np.ndarray:
+    """Per block and choice, the seconds the solver minimises: the predicted time, plus the risk
+    premium for offloading (``RISK`` of the block's fastest computing choice)."""
+    rows = []
+    for block in profile.blocks:
+        computing = [block.seconds[c] for c in choices if not is_offload(c) and feasible(block, c)]
+        premium = RISK * (min(computing) if computing else min(block.seconds[c] for c in choices))
+        rows.append([block.seconds[c] + (premium if "offload" in c else 0.0) for c in choices])
+    return np.array(rows)
+
+
+def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[str] | None = None
+            ) -> list[int] | None:
+    """Indexes into ``choices`` (default ``profile.choices``) of the least-objective assignment
+    whose predicted peak fits ``budget``, None if none does."""
+    choices = profile.choices if choices is None else choices
     unit = unit_of(profile)
     other_held, other_transient, _ = profile.other(outside)
+    if other_held >= INFEASIBLE:
+        return None
     first = is_offload(outside)
     room = budget - other_held
     if room < other_transient:
@@ -108,11 +191,13 @@ def _search(profile: Profile, budget: int, outside: str = "keep") -> list[int] |
     window = _up(profile.window(), unit)
     size = room // unit
     final = [(room - other_transient) // unit, (room - other_transient) // unit - window]
-    held = np.array([[_up(b.held[c], unit) for c in profile.choices] for b in profile.blocks], dtype=np.int64)
-    transient = np.array([[_up(b.transient[c], unit) for c in profile.choices] for b in profile.blocks],
-                         dtype=np.int64)
-    seconds = np.array([[b.seconds[c] for c in profile.choices] for b in profile.blocks])
-    offloads = [is_offload(c) for c in profile.choices]
+    usable = np.array([[feasible(b, c) for c in choices] for b in profile.blocks], dtype=bool)
+    held = np.array([[_up(b.held[c], unit) if feasible(b, c) else 0 for c in choices] for b in profile.blocks],
+                    dtype=np.int64)
+    transient = np.array([[_up(b.transient[c], unit) if feasible(b, c) else 0 for c in choices]
+                          for b in profile.blocks], dtype=np.int64)
+    seconds = _objective(profile, choices)
+    offloads = [is_offload(c) for c in choices]
     most = int(held.max(axis=1).sum())
     size = min(size, most + int(transient.max()) + window)
     # dp[seen, prefix]: least seconds so far; seen = an offloaded block came before
@@ -123,6 +208,8 @@ def _search(profile: Profile, budget: int, outside: str = "keep") -> list[int] |
         new = np.full((2, size + 1), np.inf)
         arg = np.full((2, size + 1, 2), -1, dtype=np.int64)  # (choice, seen before) per state
         for choice in range(held.shape[1]):
+            if not usable[block, choice]:
+                continue
             weight = int(held[block, choice])
             for seen in (0, 1):
                 extra = int(transient[block, choice]) + (window if (seen or first) and not offloads[choice] else 0)
@@ -157,20 +244,128 @@ def _search(profile: Profile, budget: int, outside: str = "keep") -> list[int] |
     return chosen[::-1]
 
 
-def solve(profile: Profile, budget: int) -> Solution:
-    """The fastest assignment (blocks and the part outside them) whose predicted peak is at most
-    ``budget`` bytes (``BudgetTooSmall`` naming the least achievable peak otherwise). On equal
-    time the outside part is kept (it is listed first)."""
-    best: Solution | None = None
-    for outside in profile.outside_choices():
-        picked = _search(profile, budget, outside)
+def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> tuple[float, Solution] | None:
+    """``(objective, solution)`` of the least-objective assignment fitting ``budget``."""
+    best: tuple[float, Solution] | None = None
+    table = _objective(profile, choices)
+    for outside in outsides:
+        picked = _search(profile, budget, outside, choices)
         if picked is None:
             continue
-        names = [profile.choices[i] for i in picked]
+        names = [choices[i] for i in picked]
         found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
                          profile.seconds_of(names, outside), outside)
-        if best is None or found.seconds < best.seconds:
-            best = found
+        objective = float(table[np.arange(len(names)), picked].sum()) + profile.other(outside)[2] \
+            + (RISK * profile.other("keep")[2] if is_offload(outside) else 0.0)
+        if best is None or objective < best[0]:
+            best = (objective, found)
+    return best
+
+
+def _least_peak_within_noise(profile: Profile, budget: int, choices: list[str], outsides: list[str]
+                             ) -> Solution | None:
+    """Among assignments fitting ``budget`` whose objective is within ``NOISE`` of the least, the one
+    the least budget still allows (bisection on the budget: the least objective never rises with it)."""
+    best = _best(profile, budget, choices, outsides)
+    if best is None:
+        return None
+    allowed = best[0] * (1 + NOISE)
+    low, high = minimum_peak(profile), budget
+    step = max(unit_of(profile), budget // 256)
+    while high - low > step:
+        middle = (low + high) // 2
+        found = _best(profile, middle, choices, outsides)
+        if found is not None and found[0] <= allowed:
+            high = middle
+        else:
+            low = middle + 1
+    found = _best(profile, high, choices, outsides)
+    return found[1] if found is not None and found[0] <= allowed else best[1]
+
+
+def offloads(solution: Solution) -> bool:
+    """True if ``solution`` moves anything to a storage tier."""
+    return is_offload(solution.outside) or any("offload" in c for c in solution.choices)
+
+
+def solve(profile: Profile, budget: int) -> Solution:
+    """The fastest assignment (blocks and the part outside them) whose predicted peak is at most
+    ``budget`` bytes (``BudgetTooSmall`` naming the least achievable peak otherwise), with offloading
+    charged its risk and given up for a plan within ``NOISE`` that does not offload (module
+    docstring). On equal time the outside part is kept (it is listed first)."""
+    outsides = profile.outside_choices()
+    best = _least_peak_within_noise(profile, budget, profile.choices, outsides)
     if best is None:
         raise BudgetTooSmall(budget, minimum_peak(profile))
+    if split_outside(best.outside)[1] is not None:
+        # The chunked head (acshim.head) recomputes in backward: taken when it is needed to fit or
+        # faster beyond noise, never by the least-peak tie-break (idle and busy runs would differ).
+        plain = [o for o in outsides if split_outside(o)[1] is None]
+        without = _least_peak_within_noise(profile, budget, profile.choices, plain) if plain else None
+        if without is not None and without.seconds <= best.seconds * (1 + NOISE):
+            best, outsides = without, plain
+    if offloads(best):
+        computing = [c for c in profile.choices if "offload" not in c]
+        kept = [o for o in outsides if not is_offload(o)]
+        safe = _least_peak_within_noise(profile, budget, computing, kept) if computing and kept else None
+        if safe is not None and safe.seconds <= best.seconds * (1 + NOISE):
+            return safe
     return best
+
+
+def least_plan(profile: Profile) -> tuple[list[str], str] | None:
+    """The assignment reaching the least predicted peak (None if no choice fits for some block)."""
+    least = minimum_peak(profile)
+    if least >= INFEASIBLE:
+        return None
+    for outside in profile.outside_choices():
+        picked = _search(profile, least, outside)
+        if picked is not None:
+            return [profile.choices[i] for i in picked], outside
+    return None
+
+
+def breakdown(profile: Profile, overhead: int = 0) -> list[tuple[str, int]]:
+    """What the least peak is made of, largest first: the part outside the blocks (held after
+    forward, and its backward's transient), the blocks' held bytes, the largest block transient,
+    the offload window, and what the process held besides (``overhead``)."""
+    found = least_plan(profile)
+    if found is None:
+        return []
+    choices, outside = found
+    other_held, other_transient, _ = profile.other(outside)
+    blocks = [(b, c) for b, c in zip(profile.blocks, choices, strict=True)]
+    held = sum(b.held[c] for b, c in blocks)
+    widest = max(blocks, key=lambda bc: bc[0].transient[bc[1]])
+    parts = [(f"the part outside the blocks (embeddings, head, loss; {outside}) holds", other_held),
+             ("its backward (the head's gradients, the loss) adds up to", other_transient),
+             (f"the blocks hold ({', '.join(sorted(set(choices)))})", held),
+             (f"the largest block transient ({widest[0].name} as {widest[1]}) is", widest[0].transient[widest[1]]),
+             ("the offload window is", profile.window() if any(is_offload(c) for c in [*choices, outside]) else 0),
+             ("the process held besides (the step's first part, worker threads, buffers)", overhead)]
+    return sorted([p for p in parts if p[1] > 0], key=lambda p: -p[1])
+
+
+def unmeasured(profile: Profile | None) -> str:
+    """Which part of the model had no choice measured within the budget."""
+    if profile is None:
+        return "the model"
+    if not profile.outside_choices():
+        return "the part outside the blocks (embeddings, head, loss)"
+    for block in profile.blocks:
+        if not any(feasible(block, c) for c in profile.choices):
+            return f"block {block.name}"
+    return "the model"
+
+
+UNMEASURED = 3
+"""A part stopped on its way over the budget needs more than it held then; the suggestion for it is
+this many times that (an LM head's logits are followed by the loss's copy of them and their gradient)."""
+
+
+def suggest_unmeasured(profile: Profile, budget: int) -> int:
+    """A budget to try when some part could not be measured within ``budget``: ``UNMEASURED`` times
+    what the process held when the part was stopped (a next attempt measures it and, if the budget
+    is still below the least achievable peak, names that exactly)."""
+    reached = max(profile.stops.values(), default=0)
+    return max(budget + 1, UNMEASURED * reached)

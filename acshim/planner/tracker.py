@@ -1,4 +1,5 @@
-"""Live activation bytes over one step, op by op, and their high-water mark.
+"""Live activation bytes over one step, op by op, and their high-water mark; with ``timed``, each
+operator's duration too (``costs.OpTimes`` turns those into a step-time estimate).
 
 A ``TorchDispatchMode`` keeps a handle on every storage an operator creates or touches (except
 parameters, buffers and the caller's inputs) and, after each operator, drops the handles nobody else
@@ -11,6 +12,7 @@ keeps no statistics (shared/MEASURING.md). Written by hand for that reason.
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 import torch
@@ -21,9 +23,13 @@ from ..measure import storage_key
 
 
 class LiveBytes(TorchDispatchMode):
-    """Track live activation bytes; ``mark()`` records the current op index under a name."""
+    """Track live activation bytes; ``mark()`` records the current op index under a name.
 
-    def __init__(self, excluded: set[int]) -> None:
+    ``paused``: storages created meanwhile are not tracked (what a stand-in runs, see ``replay``).
+    ``timed``: ``durations`` gets ``(operator key, seconds)`` per operator, and ``own_seconds`` the
+    time the tracker itself took (subtracted from a wall time to get the untracked one)."""
+
+    def __init__(self, excluded: set[int], timed: bool = False) -> None:
         super().__init__()
         self._gc_was_enabled = False
         self.excluded = excluded
@@ -32,8 +38,14 @@ class LiveBytes(TorchDispatchMode):
         self.serial = 0
         self.ops = 0
         self.marks: dict[str, int] = {}
+        self.paused = False
+        self.timed = timed
+        self.durations: list[tuple[Any, float]] = []
+        self.own_seconds = 0.0
 
     def _track(self, value: Any) -> None:
+        if self.paused:
+            return
         leaves, _ = structures.flatten(value)
         for leaf in leaves:
             found = storage_key(leaf) if isinstance(leaf, torch.Tensor) else None
@@ -50,17 +62,29 @@ class LiveBytes(TorchDispatchMode):
             self.events.append((self.ops, serial, -storage.nbytes()))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        entered = time.perf_counter()
         self._track((args, kwargs))
+        started = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        finished = time.perf_counter()
         self.ops += 1
         self._track(out)
         self.sweep()
+        if self.timed:
+            self.durations.append((op_key(func, args, kwargs), finished - started))
+        self.own_seconds += (started - entered) + (time.perf_counter() - finished)
         return out
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable by default: importing Dynamo
+        # (76 MB resident) and a wrapper call per operator (~0.25 ms). No step is compiled under this mode.
+        return False
+
     def __enter__(self) -> LiveBytes:
-        # Collect earlier garbage, then keep the collector off: what the step frees by reference count
-        # is freed at once, and cyclic garbage is counted until the step ends (repeatable, an upper bound).
-        gc.collect()
+        # Keep the collector off: what the step frees by reference count is freed at once, and cyclic
+        # garbage is counted until the step ends (repeatable, an upper bound). No collection first: a
+        # full one costs 0.1-0.3 s with a large library loaded, per measurement.
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         return super().__enter__()
@@ -87,6 +111,18 @@ class LiveBytes(TorchDispatchMode):
                 total += delta
             out.append(total)
         return out
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def op_key(func: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """What an operator's duration depends on: the operator, its tensors' shapes and dtypes, its other
+    arguments (small ones; a dropout probability, a dimension)."""
+    leaves, _ = structures.flatten((args, kwargs))
+    return (func, *((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor)
+                    else (leaf if isinstance(leaf, _PLAIN) else type(leaf).__name__)
+                    for leaf in leaves))
 
 
 def excluded_keys(module: torch.nn.Module, *extra: Any) -> set[int]:

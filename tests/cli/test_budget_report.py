@@ -13,14 +13,22 @@ from pathlib import Path
 
 import pytest
 
+from acshim.planner.solver import NOISE
+
 MODEL = """
-import json, sys, torch
+import json, os, sys, torch
 import acshim
 from acshim.testing import GPT, GPTBlock, seeded, train_step
+W, S, B = (int(os.environ.get(k, d)) for k, d in (("TEST_WIDTH", 64), ("TEST_SEQ", 32), ("TEST_BATCH", 2)))
 def build():
-    return seeded(lambda: GPT(layers=4, width=64, heads=4, seq=32, vocab=128))
-ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+    return seeded(lambda: GPT(layers=4, width=W, heads=4, seq=S, vocab=128))
+ids = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(3))
 """
+PLANNABLE = {"TEST_WIDTH": "256", "TEST_SEQ": "128", "TEST_BATCH": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}
+"""Sizes whose activations (about 60 MB without checkpointing) the process's memory resolves to 2%
+(a --budget run is measured as the process sees it: the 4x64 model holds less than the 1 MiB that
+interpreter bookkeeping moves), with freed tensors given back at once as docs/measuring.md says
+(with glibc's default settings they stay in its heap and the resident set runs ahead of them)."""
 
 CHECKPOINT_WRAPPER = MODEL + """
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -42,9 +50,10 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def _acshim(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+def _acshim(*args: str, cwd: Path, timeout: int = 900, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "acshim", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def _script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
@@ -60,7 +69,7 @@ def _result(stdout: str) -> dict:
 
 def test_run_budget_replaces_checkpoint_wrapper_recipe_gradients_bitwise_peak_within(tmp_path: Path) -> None:
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("run", "--budget", "0.45", str(script), "2", cwd=tmp_path)
+    done = _acshim("run", "--budget", "0.7", str(script), "2", cwd=tmp_path, env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "replaced" in line]
     assert len(lines) == 1, done.stderr  # one log line
@@ -92,8 +101,8 @@ class Checkpointed(GPT):                                 # the script calls torc
         logits = self.ln_f(x) @ self.wte.weight.t()
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
-reference = train_step(seeded(lambda: GPT(layers=4, width=64, heads=4, seq=32, vocab=128)), ids, seed=7)
-model = seeded(lambda: Checkpointed(layers=4, width=64, heads=4, seq=32, vocab=128))
+reference = train_step(seeded(lambda: GPT(layers=4, width=W, heads=4, seq=S, vocab=128)), ids, seed=7)
+model = seeded(lambda: Checkpointed(layers=4, width=W, heads=4, seq=S, vocab=128))
 for step in range(2):
     got = train_step(model, ids, seed=7)
 equal = set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
@@ -113,10 +122,12 @@ def test_torch_utils_checkpoint_calls_are_planned_and_reported(tmp_path: Path, f
     """The script's own ``torch.utils.checkpoint`` calls (both modes, the default, ``checkpoint_sequential``)
     become regions the plan replaces and the report counts; weights bitwise equal to no checkpointing."""
     script = _script(tmp_path, TORCH_UTILS_CHECKPOINT)
-    plain = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = PLANNABLE if flag == "--budget" else {}
+    plain = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **env})
     assert plain.returncode == 0, plain.stderr
     assert _result(plain.stdout)["equal"] and not _result(plain.stdout)["routed"]
-    done = _acshim("run", *([flag, "0.6"] if flag == "--budget" else [flag]), str(script), cwd=tmp_path)
+    done = _acshim("run", *([flag, "0.7"] if flag == "--budget" else [flag]), str(script), cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     result = _result(done.stdout)
     assert result["equal"], result
@@ -134,23 +145,24 @@ def test_torch_utils_checkpoint_calls_are_planned_and_reported(tmp_path: Path, f
 
 def test_plan_prints_table_and_frontier_and_exits_before_training_on(tmp_path: Path) -> None:
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("plan", "--budget", "2MiB", "--sweep", "--", str(script), "5", cwd=tmp_path)
+    done = _acshim("plan", "--budget", "40MiB", "--sweep", "--", str(script), "5", cwd=tmp_path, env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     assert "trained step" not in done.stdout  # stopped inside the first step
     out = done.stdout.splitlines()
-    assert out[0] == "acshim plan: budget 2.0 MiB (peak activation memory)"
+    assert out[0] == "acshim plan: budget 40.0 MiB (peak activation memory)"
     rows = {m.group(1): m.group(2) for line in out if (m := re.match(r"^(h\.\d)\S*\s+(\S+)", line))}
     assert sorted(rows) == ["h.0", "h.1", "h.2", "h.3"]
     known = ("keep", "selective", "selective-alt", "recompute", "offload:disk", "recompute+offload:disk")
     assert set(rows.values()) <= set(known)
     predicted = re.search(r"predicted: held .*, peak ([\d.]+) MiB", done.stdout)
-    assert predicted and float(predicted.group(1)) <= 2.0
+    assert predicted and float(predicted.group(1)) <= 40.0
     start = out.index("frontier (predicted from the block profile)")
     end = out.index("baselines (every region the same, predicted)")
     points = [line.split() for line in out[start + 2:end]]
     assert len(points) >= 3
     steps = [float(p[5]) for p in points]  # step ms column
-    assert steps == sorted(steps, reverse=True)  # more memory, never slower
+    # more memory, never slower (beyond the noise band within which the solver prefers less memory)
+    assert all(later <= earlier * (1 + NOISE) for earlier, later in zip(steps, steps[1:]))
     assert any(line.strip().startswith("none") for line in out[end:])
 
 
@@ -280,7 +292,7 @@ def test_report_names_one_row_per_hf_block_whichever_path_made_it(tmp_path: Path
     --budget line's."""
     pytest.importorskip("transformers")
     script = _script(tmp_path, HF_PATHS)
-    done = _acshim("run", "--report", "--budget", "0.9", *flags, str(script), path, cwd=tmp_path)
+    done = _acshim("run", "--report", "--budget", "1GiB", *flags, str(script), path, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(rf"replaced 4 region\(s\) \(4 {re.escape(dialect)}: ", done.stderr), done.stderr[-3000:]
     rows = re.findall(r"^  (\S+)\s+(.+?)\s+(\d+)\s+(\d+)\s+[\d.]+ (?:KiB|MiB)$", done.stderr, re.M)
@@ -368,8 +380,9 @@ def test_refused_budget_error_starts_its_own_line_and_reports_no_run(tmp_path: P
     done = _acshim("run", "--report", "--budget", "1KiB", str(script), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.split("\n")  # "\r" (tqdm's redraw) is not a line break on a terminal
-    refused = [line for line in lines if "below the least achievable peak" in line]
+    refused = [line for line in lines if "acshim run: --budget 1KiB:" in line]
     assert len(refused) == 1 and refused[0].startswith("acshim run: --budget 1KiB:"), done.stderr
+    assert "pass --budget" in refused[0], done.stderr
     assert "acshim report" not in done.stderr and "region forwards" not in done.stderr, done.stderr
 
 
@@ -413,10 +426,10 @@ TRAINER = """
 import sys, torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=128,
                                    bos_token_id=0, eos_token_id=0))
 g = torch.Generator().manual_seed(1)
-data = [{"input_ids": torch.randint(0, 128, (32,), generator=g), "labels": torch.randint(0, 128, (32,), generator=g)}
+data = [{"input_ids": torch.randint(0, 128, (128,), generator=g), "labels": torch.randint(0, 128, (128,), generator=g)}
         for _ in range(8)]
 args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=2, report_to=[], use_cpu=True,
                          save_strategy="no", gradient_checkpointing=sys.argv[1] == "gc", seed=0)
@@ -435,7 +448,8 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
     plain = subprocess.run([sys.executable, str(script), "off", "plain.pt"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    planned = _acshim("run", "--budget", "0.5", str(script), "gc", "planned.pt", cwd=tmp_path)
+    planned = _acshim("run", "--budget", "0.7", str(script), "gc", "planned.pt", cwd=tmp_path,
+                      env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert planned.returncode == 0, planned.stderr[-3000:]
     assert re.search(r"acshim: --budget .*replaced 4 region\(s\) \(4 hf: recompute\) by the plan", planned.stderr)
     import torch
@@ -453,15 +467,47 @@ def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
     from acshim.planner import picture
 
     script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("plan", "--budget", "2MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path)
+    done = _acshim("plan", "--budget", "40MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path,
+                   env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     png = (tmp_path / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and "frontier.png" in done.stdout
     size = (int(picture.SIZE_INCHES[1] * picture.DPI), int(picture.SIZE_INCHES[0] * picture.DPI))
     assert matplotlib.image.imread(tmp_path / "frontier.png").shape[:2] == size
-    done = _acshim("run", "--budget", "0.45", "--png", "run.png", str(script), "1", cwd=tmp_path)
+    done = _acshim("run", "--budget", "0.7", "--png", "run.png", str(script), "1", cwd=tmp_path, env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     assert "acshim: wrote run.png" in done.stderr and _result(done.stdout)["equal"]
     assert matplotlib.image.imread(tmp_path / "run.png").shape[:2] == size
     done = _acshim("run", "--png", "x.png", str(script), cwd=tmp_path)
     assert done.returncode == 2 and "--png draws a --budget plan's memory" in done.stderr
+
+
+def test_plan_file_is_written_then_reused_without_profiling_and_refused_for_another_budget(tmp_path: Path) -> None:
+    """``--plan-file``: the run that plans writes it; the next run of the same script, batch and
+    budget uses it without profiling (gradients bitwise as without checkpointing); another budget or
+    model is refused with exit 2 naming what differs."""
+    script = _script(tmp_path, CHECKPOINT_WRAPPER)
+    first = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path, env=PLANNABLE)
+    assert first.returncode == 0, first.stderr
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["format"] == "acshim-plan/1" and "reused" not in first.stderr
+    again = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path, env=PLANNABLE)
+    assert again.returncode == 0, again.stderr
+    assert "reused from plan.json (not profiled again)" in again.stderr
+    assert f"by the plan ({_counts(saved['choices'])}" in again.stderr
+    assert _result(again.stdout)["equal"]
+    other = _acshim("run", "--budget", "0.5", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path,
+                    env=PLANNABLE)
+    assert other.returncode == 2 and "--plan-file plan.json: it was made for a budget of" in other.stderr
+    wider = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path,
+                    env={**PLANNABLE, "TEST_WIDTH": "128"})
+    assert wider.returncode == 2 and "it was made for another model" in wider.stderr, wider.stderr[-2000:]
+    bad = _acshim("run", "--plan-file", "plan.json", str(script), cwd=tmp_path)
+    assert bad.returncode == 2 and "--plan-file saves or reuses a --budget plan; add --budget" in bad.stderr
+
+
+def _counts(choices: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[choice] = counts.get(choice, 0) + 1
+    return ", ".join(f"{n} {c}" for c, n in counts.items())

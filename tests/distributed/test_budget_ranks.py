@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "ddp_budget.py")
+PLANNABLE = {"DDP_BUDGET_SIZE": "256x2048", "MALLOC_MMAP_THRESHOLD_": "65536"}
+"""Activations the process's memory resolves (about 80 MB without checkpointing), measured as
+docs/measuring.md says."""
 
 
 @pytest.mark.parametrize(("setting", "reentrant", "slow_rank"), [
@@ -19,8 +22,8 @@ SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "ddp_budget.py")
 ], ids=["plain", "static_graph-reentrant", "find_unused-slow_rank"])
 def test_ddp_ranks_share_one_plan_within_budget_and_train_exactly(launch, torchrun, setting: str, reentrant: bool,
                                                                   slow_rank: str | None) -> None:
-    env = {"SLOW_RANK": slow_rank} if slow_rank else {}
-    command = torchrun("-m", "acshim", "run", "--budget", "0.4", SCRIPT, "--setting", setting,
+    env = {**PLANNABLE, **({"SLOW_RANK": slow_rank} if slow_rank else {})}
+    command = torchrun("-m", "acshim", "run", "--budget", "0.6", SCRIPT, "--setting", setting,
                        *(["--reentrant"] if reentrant else []))
     result = launch(command, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -35,7 +38,7 @@ def test_ddp_ranks_share_one_plan_within_budget_and_train_exactly(launch, torchr
 
 
 def test_plan_across_ranks_prints_one_table_and_exits(launch, torchrun) -> None:
-    result = launch(torchrun("-m", "acshim", "plan", "--budget", "0.4", "--", SCRIPT))
+    result = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SCRIPT), env=PLANNABLE)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("acshim plan: budget") == 1
     assert "agreed across 2 ranks" in result.stdout
@@ -43,7 +46,7 @@ def test_plan_across_ranks_prints_one_table_and_exits(launch, torchrun) -> None:
 
 
 def test_fsdp2_across_ranks_is_refused_naming_the_fix(launch, torchrun) -> None:
-    result = launch(torchrun("-m", "acshim", "run", "--budget", "0.4", SCRIPT, "--setting", "fsdp2"))
+    result = launch(torchrun("-m", "acshim", "run", "--budget", "0.6", SCRIPT, "--setting", "fsdp2"))
     assert result.returncode != 0
     assert "planning across 2 ranks supports replicated models (DistributedDataParallel, or none); this one is " \
            "sharded by fully_shard (FSDP2)" in result.stderr
@@ -57,6 +60,5 @@ def test_refused_budget_is_named_in_torchruns_failure_summary(launch, torchrun) 
     assert result.returncode != 0
     root_cause = result.stderr[result.stderr.index("Root Cause"):]
     assert "exitcode  : 2" in root_cause and "error_file: <N/A>" not in root_cause, root_cause
-    assert re.search(r"traceback : acshim run: --budget 1KiB: budget .* is below the least achievable peak",
-                     root_cause), root_cause
+    assert re.search(r"traceback : acshim run: --budget 1KiB: .*; pass --budget [\d.]+MiB or more", root_cause), root_cause
     assert "RESULT" not in result.stdout

@@ -19,7 +19,8 @@ def plan() -> acshim.Plan:
 
     model = seeded(lambda: GPT(layers=4, width=64, heads=4, seq=32, vocab=128))
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
-    base = acshim.plan(model, ids, budget=0.5, choices=("keep", "selective", "recompute"), verify=False)
+    base = acshim.plan(model, ids, budget=0.5, choices=("keep", "selective", "recompute"), verify=False,
+                       memory="tensors")  # a tiny model: its tensors (the process resolves 1 MiB)
     # fixed choices: the curves depend on measured bytes only (exact), not on timings (noisy)
     fixed = acshim.Plan.from_choices(base, ["recompute", "recompute", "selective", "keep"])
     fixed.budget = base.budget

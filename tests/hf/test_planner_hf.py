@@ -24,7 +24,7 @@ def test_plan_profiles_cached_blocks_and_trains_exactly(family: str) -> None:
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     reference = grads()
-    plan = acshim.plan(model, {"input_ids": ids, "labels": ids}, budget=0.5)  # use_cache left at the default
+    plan = acshim.plan(model, {"input_ids": ids, "labels": ids}, budget=0.5, memory="tensors")  # use_cache: default
     plan.apply(model)
     got = grads()
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
@@ -32,7 +32,7 @@ def test_plan_profiles_cached_blocks_and_trains_exactly(family: str) -> None:
 
 @pytest.mark.parametrize("loss_in", ["forward", "script"])
 def test_plan_chooses_the_chunked_head_for_a_big_vocabulary_and_trains_exactly(loss_in: str) -> None:
-    """A big vocabulary (the logits dominate): at 0.6 of no checkpointing's peak the plan runs the head
+    """A big vocabulary (the logits dominate): at 0.75 of no checkpointing's peak the plan runs the head
     and loss in chunks (``acshim.head``); gradients bitwise equal to the plain model's, whether the loss
     is the model's own (``labels``, Hugging Face's ``loss_function``) or the script's ``F.cross_entropy``
     of ``outputs.logits`` (shifted by slicing)."""
@@ -61,9 +61,9 @@ def test_plan_chooses_the_chunked_head_for_a_big_vocabulary_and_trains_exactly(l
     reference = step(hf_model("llama", vocab_size=vocab))
     model = hf_model("llama", vocab_size=vocab)
     # the script's slice is copied by reshape: a second logits-sized tensor in its forward
-    plan = acshim.plan(model, batch, budget=0.6 if loss_fn is None else 0.75, loss_fn=loss_fn,
-                       choices=("keep", "recompute"))
-    assert plan.outside.endswith("head"), str(plan)
+    plan = acshim.plan(model, batch, budget=0.75 if loss_fn is None else 0.9, loss_fn=loss_fn,
+                       choices=("keep", "recompute"), memory="tensors")  # a tiny model: its tensors, not the process
+    assert plan.outside.endswith(("head", "loss")), str(plan)  # acshim.head: logits never all held with their log-softmax
     assert plan.measured_peak <= plan.budget
     plan.apply(model)
     got = step(model)

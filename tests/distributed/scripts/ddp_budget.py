@@ -23,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 import acshim
 
 SLOW = os.environ.get("SLOW_RANK") == os.environ.get("RANK")
+WIDTH, ROWS = (int(n) for n in os.environ.get("DDP_BUDGET_SIZE", "32x64").split("x"))
 
 
 class Block(nn.Module):
@@ -52,7 +53,7 @@ class Net(nn.Module):
 
 def build(checkpointed: bool, setting: str, impl: CheckpointImpl) -> nn.Module:
     torch.manual_seed(0)
-    model = Net(unused=setting != "plain")
+    model = Net(WIDTH, unused=setting != "plain")
     if checkpointed:
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                                                       checkpoint_impl=impl),
@@ -84,7 +85,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     impl = CheckpointImpl.REENTRANT if args.reentrant else CheckpointImpl.NO_REENTRANT
     generator = torch.Generator().manual_seed(dist.get_rank())
-    batches = [torch.randn(64, 32, generator=generator) for _ in range(3)]
+    batches = [torch.randn(ROWS, WIDTH, generator=generator) for _ in range(3)]
     reference = train(build(False, args.setting, impl), batches)
     model = build(True, args.setting, impl)
     weights = train(model, batches)

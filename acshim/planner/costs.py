@@ -1,0 +1,88 @@
+"""Step-time estimates that machine noise does not flip: compute from operator durations, transfers
+from what they really cost.
+
+A choice's time is measured once, on its tracked run (``LiveBytes(timed=True)``): its wall time less
+the tracker's own time is what it takes untracked. It is then re-estimated operator by operator:
+each operator (``tracker.op_key``: operator, shapes, small arguments) counts at the least duration
+it took anywhere in the profile (keep's forward and recompute's replay of it, every choice of every
+block alike), and the time between operators (Python, autograd, dispatch) at the least per-operator
+rate any computing run showed. So a burst of other work on the cores while one choice ran does not
+make that choice look slow, and recompute costs exactly its extra forward more than keep. (A
+selective policy's own Python per operator is a fraction of a percent of a block's time on models
+worth planning; it is left in that rate.) Choices that move data keep, beyond that rate, what their
+run really spent between operators: waits for a storage tier's copies. They (offload) are charged, on top, the processor time their
+copies took on other threads (``time.process_time`` less the calling thread's): on an idle machine
+those threads run beside compute on a spare core, on a busy one they take its place, and the
+estimate is the busy machine's, so that an offloading plan is chosen only where it wins either way
+and the same inputs give the same plan whatever else shares the cores.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+
+class OpTimes:
+    """The least duration seen per operator key, over every timed run of a profile, and the least
+    time between operators per operator (``per_op``) over the computing runs (``observe_run``)."""
+
+    def __init__(self) -> None:
+        self.best: dict[Any, float] = {}
+        self.per_op = float("inf")
+
+    def observe_run(self, run: RunTime, moves_data: bool = False) -> None:
+        self.observe(run.durations)
+        if not moves_data and run.durations:
+            self.per_op = min(self.per_op, run.between_ops / len(run.durations))
+
+    def observe(self, durations: Iterable[tuple[Any, float]]) -> None:
+        best = self.best
+        for key, seconds in durations:
+            known = best.get(key)
+            if known is None or seconds < known:
+                best[key] = seconds
+
+    def compute_seconds(self, durations: Iterable[tuple[Any, float]]) -> float:
+        """The operators' time at their least observed durations."""
+        best = self.best
+        return sum(best.get(key, seconds) for key, seconds in durations)
+
+
+class RunTime:
+    """One timed run: its untracked wall time, its operators' durations and the processor time other
+    threads spent meanwhile (``other_cpu``)."""
+
+    def __init__(self, wall: float, own: float, durations: list[tuple[Any, float]], other_cpu: float = 0.0) -> None:
+        self.seconds = max(0.0, wall - own)
+        self.durations = durations
+        self.in_ops = sum(seconds for _, seconds in durations)
+        self.other_cpu = max(0.0, other_cpu)
+
+    @property
+    def between_ops(self) -> float:
+        return max(0.0, self.seconds - self.in_ops)
+
+    def estimate(self, times: OpTimes, moves_data: bool = False) -> float:
+        """Seconds untracked, operators and the time between them at their least observed rates;
+        ``moves_data`` (offload): plus its own time between operators beyond that rate (waits) and
+        the other threads' processor time (see the module docstring)."""
+        rate = times.per_op if times.per_op < float("inf") else self.between_ops / max(1, len(self.durations))
+        between = rate * len(self.durations)
+        seconds = times.compute_seconds(self.durations) + between
+        if moves_data:
+            seconds += max(0.0, self.between_ops - between) + self.other_cpu
+        return seconds
+
+
+class Stopwatch:
+    """Wall time and other threads' processor time of a block of code: ``with Stopwatch() as watch``."""
+
+    def __enter__(self) -> Stopwatch:
+        self.start, self.cpu, self.own = time.perf_counter(), time.process_time(), time.thread_time()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.wall = time.perf_counter() - self.start
+        self.other_cpu = (time.process_time() - self.cpu) - (time.thread_time() - self.own)

@@ -1,0 +1,230 @@
+"""The memory a budget is about: what the process holds, as the operating system or the device sees it.
+
+A tracker of tensor storages (``tracker.LiveBytes``) predicts activation memory; what a user has is
+the process's memory: on CPU its anonymous resident memory (``/proc/self/statm``: resident less
+file-backed pages), on a CUDA device the bytes its caching allocator has reserved
+(``torch.cuda.memory_reserved``; fragmentation counts, as it does for an out-of-memory error).
+Storage tier buffers, copies in flight, worker threads' stacks and heaps, Python objects and
+allocator slack are all in it, and none of them is a tensor storage. File-backed pages are left
+out: library code paged in on the first use of an operator, and weights a loader mapped from their
+file (``safetensors`` maps a frozen base model; a fine-tuning step pages 16 MiB of a tiny Llama in
+during its first forward). The system drops them under pressure and reads them back, they are the
+same with or without a plan, and a step measured the usual way (``VmHWM`` after a warm-up step,
+docs/measuring.md) has them in its baseline already.
+
+``ProcessMemory`` reads that number cheaply (one ``pread`` of ``statm``); ``Guard`` samples it after
+every operator of the thread it is entered on and raises ``OverBudget`` as soon as the process is
+above its limit, so planning never runs past a budget it is planning for. Sampling after operators
+sees what other threads allocated in between (a disk tier's read buffers) at the next operator;
+an operator's own scratch memory, freed before it returns, is the one thing it cannot see.
+Written by hand: neither the CPU allocator nor the profiler reports process memory (docs/measuring.md),
+and ``VmHWM`` can only be reset for the whole process (``/proc/self/clear_refs``), which would wipe
+the user's own high-water mark.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+
+MEMORY_KINDS = ("process", "tensors")
+"""What a budget is measured against: ``process`` (the process's memory, as above: the default) or
+``tensors`` (activation tensor storages as ``tracker.LiveBytes`` counts them; no guard)."""
+
+
+def check_memory_kind(memory: object) -> None:
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory must be one of {MEMORY_KINDS} (what the budget is measured against), got {memory!r}")
+
+
+class OverBudget(RuntimeError):
+    """The process went above a guard's limit while planning measured something."""
+
+    def __init__(self, used: int, limit: int, what: str, operator: str = "", size: int = 0) -> None:
+        super().__init__(f"{what}: the process held {used} bytes above the step's start, over the limit {limit}")
+        self.used, self.limit, self.what = used, limit, what
+        self.operator, self.size = operator, size
+        """The operator stopped before it ran and the bytes of its outputs (where it was sized)."""
+
+
+class ProcessMemory:
+    """Bytes the process holds on ``device``: anonymous resident memory on CPU (Linux
+    ``/proc/self/statm``: resident less shared, i.e. file-backed, pages), reserved by the caching
+    allocator on CUDA. ``available`` is False where neither can be read
+    (then ``current()`` is 0 and guards never trip: the tracker's prediction is all there is)."""
+
+    def __init__(self, device: torch.device | str = "cpu", enabled: bool = True) -> None:
+        self.device = torch.device(device)
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        if not enabled:
+            self.available = False
+        elif self.device.type == "cuda":
+            self.available = True
+        else:
+            try:
+                self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+                self.available = True
+            except OSError:
+                self.available = False
+
+    def current(self) -> int:
+        if not self.available:
+            return 0
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_reserved(self.device))
+        if self._fd is None:
+            return 0
+        with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
+            fields = os.pread(self._fd, 128, 0).split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE  # resident less file-backed (see the module docstring)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_TRIM: Any = None
+
+
+def trim() -> None:
+    """Give the heap's free memory back to the operating system (glibc ``malloc_trim(0)``; a no-op
+    elsewhere), so a baseline read next is not inflated by memory already freed. On a CUDA device
+    nothing is released: ``memory_reserved`` is the baseline as the allocator holds it."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+class Guard(TorchDispatchMode):
+    """Samples the process's memory after every operator on this thread (and on ``sample()``): the
+    ``peak`` above ``baseline`` is recorded, and an operator that would take the process above
+    ``limit`` is not run: its caller gets ``OverBudget`` (raised from the operator, so forward and
+    backward unwind at once). An operator whose outputs could take the process over the limit (it
+    is within the largest rise seen so far, or twice the operator's largest input, of it; or the
+    operator can make outputs larger than its inputs: a matmul, a factory, a concatenation) first has
+    its outputs sized on the meta device (shape inference, nothing allocated) and is stopped before
+    it allocates them; the others are checked by the sample after them. ``what`` names the
+    measurement for the error (``open_window``); ``limit=None`` only records."""
+
+    def __init__(self, memory: ProcessMemory, baseline: int, limit: int | Callable[[], int] | None = None) -> None:
+        super().__init__()
+        self.memory, self.baseline, self.limit = memory, baseline, limit
+        """Bytes, or a function giving them at each check (a limit that grows with what is learnt)."""
+        self.peak = 0
+        self.what = "planning"
+        self.window_peak = 0
+        self.last = 0
+        self.largest_step = 0
+        """The largest rise of the process's memory across one operator seen so far."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as tracker.LiveBytes: no Dynamo import, no wrapper per operator
+
+    def used(self) -> int:
+        return self.memory.current() - self.baseline
+
+    def sample(self) -> int:
+        used = self.used()
+        self.peak = max(self.peak, used)
+        self.window_peak = max(self.window_peak, used)
+        self.last = used
+        limit = self.current_limit()
+        if limit is not None and used > limit:
+            raise OverBudget(used, limit, self.what)
+        return used
+
+    def current_limit(self) -> int | None:
+        return self.limit() if callable(self.limit) else self.limit
+
+    def open_window(self, what: str) -> None:
+        """Start a measurement named ``what``: free heap memory goes back to the system (with glibc's
+        default settings freed tensors stay in the heap, and the resident set would carry the last
+        measurement's high-water mark into this one), and ``window_peak`` restarts from what the
+        process holds now."""
+        trim()
+        self.what = what
+        self.window_peak = self.last = self.used()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        limit = self.current_limit()
+        if limit is not None and (self.last + max(self.largest_step, 2 * _largest_input(args, kwargs)) > limit
+                                  or _may_grow(func)):
+            size = _output_bytes(func, args, kwargs)
+            if size is not None and self.used() + size > limit:
+                raise OverBudget(self.used() + size, limit, self.what, str(func), size)
+        before = self.last
+        out = func(*args, **kwargs)
+        self.largest_step = max(self.largest_step, self.sample() - before)
+        return out
+
+
+_GROWING = frozenset((
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "tensordot", "outer", "kron", "embedding",
+    "cat", "stack", "repeat", "repeat_interleave", "expand_copy", "index_select", "gather", "_unsafe_index",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "_to_copy", "cdist",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_attention_math", "one_hot", "pad", "constant_pad_nd", "upsample_nearest2d",
+    "upsample_bilinear2d"))
+"""Operators whose outputs can be larger than twice their largest input (checked on the meta device)."""
+
+
+def _may_grow(func: Any) -> bool:
+    name = getattr(func, "_opname", None) or getattr(getattr(func, "_schema", None), "name", "").split("::")[-1]
+    if name in _GROWING:
+        return True
+    schema = getattr(func, "_schema", None)  # factories (empty, zeros, full, arange, randn): no tensor inputs
+    return schema is not None and not any(str(a.type).startswith("Tensor") for a in schema.arguments)
+
+
+def _largest_input(args: Any, kwargs: Any) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs))
+    return max((leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor)), default=0)
+
+
+def _output_bytes(func: Any, args: Any, kwargs: Any) -> int | None:
+    """Bytes of the tensors ``func`` would return, from shape inference on the meta device; None if
+    the operator has no meta implementation (the sample after it is the check then)."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def meta(value: Any) -> Any:
+        return value.to("meta") if isinstance(value, torch.Tensor) and value.device.type != "meta" else value
+
+    returns = getattr(getattr(func, "_schema", None), "returns", None)
+    if returns is not None and all(r.alias_info is not None for r in returns):
+        return 0  # views and in-place operators allocate nothing
+    try:
+        out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    except Exception:  # no meta kernel, or one that needs real data
+        return None
+    leaves, _ = tree_flatten(out if isinstance(out, (tuple, list)) else (out,))
+    aliased = [r.alias_info is not None for r in returns] if returns is not None else []
+    return sum(leaf.untyped_storage().nbytes() for i, leaf in enumerate(leaves)
+               if isinstance(leaf, torch.Tensor) and not (i < len(aliased) and aliased[i]))

@@ -1,0 +1,447 @@
+"""Profile a model's checkpointed regions per choice within the budget, and verify a candidate plan.
+
+``RegionProfiler`` works through a ``PlanSession`` (which routes the model's region calls, by their
+position in the step, to whatever the current measurement needs) and never runs the model without
+checkpointing:
+
+1. **Count** (forward only): every saved tensor is counted by storage under the region (or the part
+   outside the regions) that saved it, and not kept (``counting.SavedBytes``): no plan is needed to
+   learn what no checkpointing would hold, and a fractional budget gets its bytes from it. Each
+   region's input is copied once per distinct region (class, parameter and input shapes: identical
+   blocks share their measurements); its output is reduced to shapes (``replay.spec_of``).
+2. **Outside**: the part outside the regions runs forward and backward with every region replaying an
+   output of the recorded shapes (``replay.replay_spec``): its held bytes, transient and time, kept
+   and per offload tier offloaded.
+3. **Regions**: each distinct region runs alone once per choice, on a copy of its input, least memory
+   first (offload, recompute+offload, recompute, selective-alt, selective, keep): held bytes,
+   transient and an operator-by-operator timing (``costs``).
+4. **Verify** (``verify``): one step of the model under a candidate plan, tracked and measured as the
+   process sees it.
+
+Everything runs under one ``process.Guard``: the process's memory above the step's start is sampled
+after every operator, and a measurement that goes over the budget is stopped there. Its choice is
+``INFEASIBLE`` (the measurement is part of any plan using the choice, so none fits), and the
+choices that need more memory than it for the same region are not tried. So planning holds, at
+any moment, what the step held when it was interrupted plus one measurement, never more than the
+budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import head, structures
+from ..head import planning_loss
+from ..region_state import region_inputs
+from ..storage.reaper import REAPER
+from .choices import SharedOffload, install_outside, is_offload
+from .costs import OpTimes, RunTime, Stopwatch
+from .counting import OUTSIDE, SavedBytes
+from .process import Guard, OverBudget, ProcessMemory, trim
+from .profile import INFEASIBLE, BlockProfile, ChoiceMeasurement, block_key, grad_flags, measure_choice
+from .replay import Copies, replay_spec, spec_of
+from .tracker import LiveBytes, excluded_keys, grad_keys
+
+GUARD_MARGIN = 0.01
+"""The guard stops a measurement at this share below the budget: room for what it cannot see,
+operators' own scratch memory freed before they return."""
+
+ORDER = (("recompute", "selective-alt", "selective", "keep"), ("offload", "recompute+offload"))
+"""Choices measured per region, in groups from least to most memory: once one goes over the budget,
+those after it in its group are not tried (they hold more, and their peak alone is no lower). The
+computing choices come first: a storage tier's first real copies leave the process a little larger
+for good (worker threads' heaps), which would otherwise be charged to every measurement after them."""
+
+
+@dataclass
+class Verification:
+    """One step of the model under a candidate plan: the tracker's held and peak bytes, the process's
+    peak above the step's start (``None`` where the process cannot be read), its time, and whether
+    the guard stopped it (then ``process_peak`` is where it stopped)."""
+
+    held: int
+    peak: int
+    process_peak: int | None
+    seconds: float
+    stopped: bool = False
+    live_at_stop: int = 0
+    """Where the guard stopped it: the activation bytes the tracker counted live then."""
+
+
+class RegionProfiler:
+    """Measurements of ``session``'s model within ``limit`` bytes above ``baseline`` (see the module
+    docstring). Enter it to start the guard; ``limit`` may be set later (a fractional budget)."""
+
+    def __init__(self, session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 loss_fn: Callable[[Any], torch.Tensor] | None, memory: ProcessMemory, baseline: int,
+                 limit: int | None) -> None:
+        self.session, self.root, self.args, self.kwargs = session, root, args, kwargs
+        self.loss_fn = loss_fn
+        self.memory = memory
+        self.guard = Guard(memory, baseline, None if limit is None else _guard_limit(limit))
+        self.times = OpTimes()
+        self.copies = Copies()
+        self.saved: SavedBytes | None = None
+        self.keys: dict[Any, int] = {}
+        self.excluded = excluded_keys(root, (args, kwargs))
+        self.tracker: LiveBytes | None = None
+        self.stops: dict[str, int] = {}
+        """Per part that could not be measured within the budget, what the process held when stopped."""
+        self._window_start = 0
+
+    # ---------------------------------------------------------------------------------- lifetime
+    def __enter__(self) -> RegionProfiler:
+        if self.memory.available:
+            self.guard.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.memory.available:
+            self.guard.__exit__(*exc_info)
+
+    def set_limit(self, limit: int) -> None:
+        self.guard.limit = _guard_limit(limit)
+
+    def used(self) -> int:
+        """The process's memory above the step's start now (0 where it cannot be read)."""
+        return self.guard.used() if self.memory.available else 0
+
+    def drop_copies(self) -> None:
+        """Free the regions' captured inputs (done before verifying: they are no part of a step), and
+        the garbage profiling left, so that what the process holds now (the overhead the solver
+        leaves room for) is the same from one run to the next."""
+        for site in self.session.sites:
+            site.captured = None
+        self.copies = Copies()
+        gc.collect()
+        REAPER.settle(timeout=10.0)  # tier slots and read buffers of dead handles: freed on another thread
+        trim()
+
+    def step(self, tracker: LiveBytes | None = None, backward: bool = True) -> None:
+        """One step of the model on the interrupted step's inputs."""
+        self.session.position = 0
+        output = self.root(*self.args, **self.kwargs)
+        loss = self.loss_fn(output) if self.loss_fn is not None else planning_loss(output, self.args, self.kwargs)
+        del output
+        if tracker is not None:
+            tracker.mark("forward")
+        if backward:
+            loss.backward()
+        del loss
+
+    def _settle(self) -> None:
+        """After a measurement the guard stopped: wait for copies still in flight to a tier (they hold
+        memory), drop the aliases' gradients and collect the stopped step's garbage."""
+        for scope in list(self.session._shared.values()):
+            try:
+                scope.session.raise_write_errors(wait=True)
+            except OSError:
+                pass
+        self.session._shared = {}
+        self.root.zero_grad(set_to_none=True)
+        gc.collect()
+        REAPER.settle(timeout=10.0)
+        trim()
+
+    # ---------------------------------------------------------------------------------- 1. count
+    def count(self, fraction: float | None = None) -> None:
+        """The forward-only counting step (see the module docstring). ``fraction``: the budget is that
+        share of no checkpointing's peak, not known yet; no checkpointing would hold what has been
+        counted so far on top of what this step holds, so the step is stopped once it holds more than
+        ``fraction / (1 - fraction)`` of the counted bytes (beyond what the interrupted step's first
+        part, which it repeats, took). ``OverBudget`` if stopped: one forward, keeping nothing,
+        already needs more than the budget can be."""
+        self.session.mode = "count"
+        self.guard.open_window("one forward of the model, keeping nothing")
+        saved = SavedBytes(set(self.excluded))
+        if fraction is not None:
+            start = self.guard.last
+            floor = max(2 * start, 1 << 20)
+            share = fraction / max(1e-9, 1 - fraction)
+            # Only outside the regions: a region's forward holds what it is about to save (no
+            # checkpointing holds that too), and no plan runs without one block's forward.
+            self.guard.limit = lambda: start + floor + int(share * saved.total()) if saved.owner == OUTSIDE else None
+        stopped = None
+        with saved:
+            self.saved = saved
+            chunked = head.available(self.root)  # the logits need not exist in a plan: nor here
+            if chunked:
+                install_outside(self.root, "head")
+            try:
+                self.step(backward=False)
+            except OverBudget as error:
+                owner = getattr(error, "region", OUTSIDE)  # count_region notes it (its owner is reset by then)
+                where = ("the part outside the blocks (embeddings, head, loss)" if owner == OUTSIDE
+                         else f"region {owner}")
+                stopped = (error.used, error.operator, error.size, where)
+            finally:
+                self.saved = None
+                if chunked:
+                    install_outside(self.root, "keep")
+        self.counted = saved
+        if stopped is not None:  # outside the except block: the stopped step's frames are gone
+            self._settle()
+            self.stops["forward"] = stopped[0]
+            raise OverBudget(stopped[0], self.guard.current_limit() or 0, stopped[3], stopped[1], stopped[2])
+
+    def fraction_limit_for_outside(self, fraction: float, least: int = 0) -> None:
+        """While the part outside the regions is measured and the budget is a share of no
+        checkpointing's peak: that peak holds every region's saved bytes while this part runs, so
+        this part may hold ``fraction`` of those and of its own high-water mark (and at least
+        ``least``, a lower bound of the budget known already)."""
+        regions = sum(site.saved for site in self.session.sites)
+        self.guard.limit = lambda: max(least, int(fraction * (regions + max(0, self.guard.window_peak
+                                                                            - self._window_start))))
+
+    def count_region(self, index: int, function: Callable[..., Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], site: Any) -> Any:
+        """Region ``index`` in the counting step: run with grad, its saved tensors counted and not
+        kept; its input copied if no identical region came before; its output detached (so its
+        graph goes at once) and reduced to shapes for the replay."""
+        args, kwargs = region_inputs(function, args, kwargs)
+        key = (_code_of(function), block_key(site.owner if site.owner is not None else nn.Module(), args, kwargs))
+        site.key = key
+        if key not in self.keys:
+            self.keys[key] = index
+            site.captured = (*self.copies((args, kwargs)), grad_flags((args, kwargs)))
+        saved = self.saved
+        assert saved is not None
+        saved.owner = index
+        start = time.perf_counter()
+        try:
+            output = function(*args, **kwargs)
+        except OverBudget as error:
+            error.region = index  # type: ignore[attr-defined]
+            raise
+        finally:
+            saved.owner = OUTSIDE
+        site.forward_seconds = time.perf_counter() - start
+        site.saved = saved.bytes.get(index, 0)
+        site.spec = spec_of(output)
+        leaves, rebuild = structures.flatten(output)
+        return rebuild([leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf
+                        for leaf in leaves])
+
+    # ---------------------------------------------------------------------------------- 2. outside
+    def replay_region(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        output = replay_spec(self.session.sites[index].spec, args, kwargs)
+        if index == len(self.session.sites) - 1 and self.tracker is not None:
+            _mark_when_reached(output, self.tracker, "head")
+        return output
+
+    def outside(self, choice: str) -> dict[str, float]:
+        """``held``, ``transient`` (up to the head's backward: the embeddings' backward runs when the
+        blocks hold nothing) and ``seconds`` of the part outside the regions run as ``choice``,
+        ``INFEASIBLE`` held bytes if it went over the budget."""
+        session = self.session
+        session.mode = "replay"
+        self.guard.open_window(f"the part outside the regions ({choice})")
+        self._window_start = self.guard.last
+        install_outside(self.root, choice, session.prefetch, {})
+        tracker = LiveBytes(set(self.excluded), timed=True)
+        self.tracker = tracker
+        self.root.zero_grad(set_to_none=True)
+        stopped = False
+        try:
+            with tracker:
+                with Stopwatch() as watch:
+                    self.step(tracker)
+                tracker.mark("end")
+        except OverBudget:
+            stopped = True
+        finally:
+            self.tracker = None
+            install_outside(self.root, "keep")
+            self.root.zero_grad(set_to_none=True)
+        if stopped:  # outside the except block: the stopped step's frames are gone with its traceback
+            tracker.release()
+            self.stops[f"outside {choice}"] = self.guard.window_peak
+            self._settle()
+            return {"held": INFEASIBLE, "transient": INFEASIBLE, "seconds": float("inf")}
+        series = tracker.series(grad_keys(self.root))
+        tracker.release()
+        held = series[tracker.marks["forward"] - 1]
+        head = max(tracker.marks.get("head", len(series)), tracker.marks["forward"])
+        run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+        self.times.observe_run(run, moves_data=is_offload(choice))
+        return {"held": held, "transient": max(0, max(series[:head]) - held),
+                "seconds": run.estimate(self.times, moves_data=is_offload(choice))}
+
+    # ---------------------------------------------------------------------------------- 3. regions
+    def regions(self, choices: list[str], names: list[str]) -> list[BlockProfile]:
+        """Each distinct region alone, per choice (see the module docstring)."""
+        session = self.session
+        session.mode = "alone"
+        measured: dict[Any, tuple[BlockProfile, dict[str, ChoiceMeasurement]]] = {}
+        profiles: list[BlockProfile] = []
+        for name, site in zip(names, session.sites, strict=True):
+            if site.key in measured:
+                first = measured[site.key][0]
+                profiles.append(BlockProfile(name, first.held, first.transient, first.seconds, first.name,
+                                             first.window, site.saved))
+                continue
+            runs: dict[str, ChoiceMeasurement] = {}
+            profile = BlockProfile(name, {}, {}, {}, window={}, saved=site.saved)
+            over = None
+            for choice in sorted(choices, key=_memory_rank):
+                group = _memory_rank(choice)[0]
+                if over == group:  # a choice of its group needing less memory already went over the budget
+                    profile.held[choice], profile.transient[choice] = INFEASIBLE, INFEASIBLE
+                    profile.seconds[choice], profile.window[choice] = float("inf"), 0
+                    continue
+                found = self._alone(site, choice)
+                if found is None:
+                    over = group
+                    profile.held[choice], profile.transient[choice] = INFEASIBLE, INFEASIBLE
+                    profile.seconds[choice], profile.window[choice] = float("inf"), 0
+                    continue
+                runs[choice] = found
+                # an offloaded block's own copies in flight, however far they had got when measured
+                in_flight = min(SharedOffload.IN_FLIGHT, 2 * site.saved) if "offload" in choice else 0
+                profile.held[choice], profile.transient[choice] = found.held, found.transient + in_flight
+                profile.window[choice] = found.window
+            # choices listed in the profile's order, seconds once every run is in (costs)
+            for table in (profile.held, profile.transient, profile.window):
+                ordered = {c: table[c] for c in choices}
+                table.clear()
+                table.update(ordered)
+            measured[site.key] = (profile, runs)
+            profiles.append(profile)
+        for _, runs in measured.values():
+            for choice, found in runs.items():
+                self.times.observe_run(found.run, moves_data="offload" in choice)
+        for profile, runs in measured.values():
+            profile.seconds.update({c: float("inf") for c in choices if c not in runs})
+            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data="offload" in c) for c in runs})
+            ordered = {c: profile.seconds[c] for c in choices}
+            profile.seconds.clear()
+            profile.seconds.update(ordered)
+        return profiles
+
+    def _alone(self, site: Any, choice: str) -> ChoiceMeasurement | None:
+        session = self.session
+        args, kwargs, flags = site.captured
+        self.guard.open_window(f"region {site.name} as {choice}")
+        session._shared = {}  # a fresh schedule per measurement
+        offload = SharedOffload(choice.partition(":")[2], session.prefetch) if is_offload(choice) else None
+        if offload is not None:
+            session._shared[offload.storage] = offload
+        found = None
+        REAPER.settle(timeout=10.0)  # what the last measurement's copies held: released, not counted here
+        try:
+            found = measure_choice(functools.partial(_run_as, session, site, choice), args, kwargs,
+                                   flags, excluded_keys(self.root, (args, kwargs)),
+                                   functools.partial(grad_keys, self.root),
+                                   functools.partial(self.root.zero_grad, set_to_none=True), offload)
+        except OverBudget:
+            pass
+        finally:
+            if found is None:
+                self.stops[f"region {site.name}"] = max(self.stops.get(f"region {site.name}", 0), self.guard.window_peak)
+                self._settle()
+            session._shared = {}
+        return found
+
+    # ---------------------------------------------------------------------------------- 4. verify
+    def verify(self, choices: list[str], outside: str) -> Verification:
+        """One step under ``choices`` / ``outside``, timed and measured as the process sees it (by the
+        storage tracker too where the process cannot be read, or ``memory="tensors"``: the tracker
+        would cost this step a tenth of its time for numbers the budget is not about)."""
+        session = self.session
+        session.mode, session._candidate = "measure", choices
+        session._shared = {}
+        self.guard.open_window("one step of the model under the candidate plan")
+        self.root.zero_grad(set_to_none=True)
+        tracked = not self.memory.available
+        tracker: Any = LiveBytes(set(self.excluded), timed=True) if tracked else _ProcessMarks(self.guard)
+        install_outside(self.root, outside, session.prefetch, session._shared)
+        session._outside = outside
+        stopped = False
+        try:
+            with tracker:
+                with Stopwatch() as watch:
+                    self.step(tracker)
+                    for scope in session._shared.values():  # copies still in flight are part of the step
+                        scope.session.raise_write_errors(wait=True)
+                tracker.mark("end")
+            if self.memory.available:
+                self.guard.sample()
+        except OverBudget:
+            stopped = True
+        finally:
+            install_outside(self.root, "keep")
+            session._outside = "keep"
+        process_peak = self.guard.window_peak if self.memory.available else None
+        if stopped:  # outside the except block: the stopped step's frames are gone with its traceback
+            live = tracker.series(set())[-1] if tracked and tracker.events else 0
+            tracker.release()
+            self._settle()
+            return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True, live_at_stop=live)
+        session._shared = {}
+        self.root.zero_grad(set_to_none=True)
+        if not tracked:
+            return Verification(tracker.marks["forward"], process_peak or 0, process_peak, watch.wall)
+        series = tracker.series(grad_keys(self.root))
+        tracker.release()
+        run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+        self.times.observe(run.durations)
+        seconds = run.estimate(self.times, moves_data=any("offload" in c for c in [*choices, outside]))
+        return Verification(series[tracker.marks["forward"] - 1], max(series), process_peak, seconds)
+
+
+class _ProcessMarks:
+    """Stands in for the tracker in a verification measured by the process: ``mark`` notes what the
+    process holds above the step's start."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.marks: dict[str, int] = {}
+
+    def __enter__(self) -> _ProcessMarks:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        pass
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self.guard.used()
+
+    def release(self) -> None:
+        pass
+
+
+def _run_as(session: Any, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:
+    return session.run_choice(site, choice, site.function, args, kwargs)
+
+
+def _guard_limit(budget: int) -> int:
+    return int(budget * (1 - GUARD_MARGIN))
+
+
+def _memory_rank(choice: str) -> tuple[int, int]:
+    base = choice.partition(":")[0]
+    group = next(i for i, names in enumerate(ORDER) if base in names)
+    return group, ORDER[group].index(base)
+
+
+def _mark_when_reached(output: Any, tracker: LiveBytes, name: str) -> None:
+    """Mark ``name`` on ``tracker`` when backward reaches ``output`` (the head's backward is over)."""
+    for leaf in structures.flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(lambda grad: tracker.mark(name) if name not in tracker.marks else None)
+            return
+
+
+def _code_of(function: Callable[..., Any]) -> Any:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return getattr(function, "__code__", None) or getattr(getattr(function, "__func__", None), "__code__", None) \
+        or type(function)
