@@ -85,6 +85,11 @@ def main() -> None:
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "results": results}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # the run without acshim waits for Gloo's worker threads at exit as acshim does (acshim/exit_settle.py:
+    # torch 2.13 aborts a rank that finalizes while one drops its last work); imported after the results
+    from acshim.exit_settle import settle_collective_threads
+
+    settle_collective_threads()
 
 
 if __name__ == "__main__":

@@ -104,6 +104,11 @@ def main() -> None:
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "tsm_rank": tsm.state.rank,
                                   "tsm_world_size": tsm.state.world_size, "results": results}), flush=True)
     dist.destroy_process_group()
+    # the run without acshim waits for Gloo's worker threads at exit as acshim does (acshim/exit_settle.py:
+    # torch 2.13 aborts a rank that finalizes while one drops its last work); imported after the results
+    from acshim.exit_settle import settle_collective_threads
+
+    settle_collective_threads()
 
 
 if __name__ == "__main__":
