@@ -64,15 +64,21 @@ class RunTime:
     def between_ops(self) -> float:
         return max(0.0, self.seconds - self.in_ops)
 
-    def estimate(self, times: OpTimes, moves_data: bool = False) -> float:
+    def estimate(self, times: OpTimes, moves_data: bool = False, alone: bool = False) -> float:
         """Seconds untracked, operators and the time between them at their least observed rates;
-        ``moves_data`` (offload): plus its own time between operators beyond that rate (waits) and
-        the other threads' processor time (see the module docstring)."""
+        ``moves_data`` (offload): plus the other threads' processor time and its own time between
+        operators beyond that rate (waits for copies; see the module docstring), except for a part
+        run ``alone`` (a block alone, the outside part with the regions replayed): there its backward
+        waits for the very copies its forward started, which in a step overlap the other blocks'
+        forwards and backwards (prefetch), and how long it waits follows the machine's load. On HF
+        GPT-2 8x512 those waits made a block's disk offload 1.41x of keeping it where the whole step
+        offloaded measured 1.12x idle, 1.17x with a core kept busy; a plan's step as it really runs
+        is measured when it is verified, and re-solved if slower than predicted (feedback.py)."""
         rate = times.per_op if times.per_op < float("inf") else self.between_ops / max(1, len(self.durations))
         between = rate * len(self.durations)
         seconds = times.compute_seconds(self.durations) + between
         if moves_data:
-            seconds += max(0.0, self.between_ops - between) + self.other_cpu
+            seconds += self.other_cpu + (0.0 if alone else max(0.0, self.between_ops - between))
         return seconds
 
 

@@ -273,7 +273,7 @@ class RegionProfiler:
         run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
         self.times.observe_run(run, moves_data=is_offload(choice))
         return {"held": held, "transient": max(0, max(series[:head]) - held),
-                "seconds": run.estimate(self.times, moves_data=is_offload(choice))}
+                "seconds": run.estimate(self.times, moves_data=is_offload(choice), alone=True)}
 
     # ---------------------------------------------------------------------------------- 3. regions
     def regions(self, choices: list[str], names: list[str]) -> list[BlockProfile]:
@@ -320,7 +320,8 @@ class RegionProfiler:
                 self.times.observe_run(found.run, moves_data="offload" in choice)
         for profile, runs in measured.values():
             profile.seconds.update({c: float("inf") for c in choices if c not in runs})
-            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data="offload" in c) for c in runs})
+            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data="offload" in c, alone=True)
+                                    for c in runs})
             ordered = {c: profile.seconds[c] for c in choices}
             profile.seconds.clear()
             profile.seconds.update(ordered)
