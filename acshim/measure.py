@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import structures
+from .backends.cpu import wait_for_copies
 from .blocks import find_blocks
 
 OTHER = "<other>"
@@ -126,6 +127,8 @@ def measure_memory(
     ``loss_fn(output) -> scalar``: defaults to ``default_loss``. ``blocks``: ``(name, module)`` pairs
     to attribute memory to (default: the model's repeated blocks, else its top-level children).
     ``backward``: run backward afterwards so the step completes (gradients accumulate as usual).
+    Copies a storage tier still has in flight when forward ends are waited for first: the tensors
+    they are writing leave memory once written, so they are not counted as held.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"measure_memory needs an nn.Module, got {type(model).__name__}")
@@ -155,6 +158,7 @@ def measure_memory(
             output = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(output)
             del output
+            wait_for_copies()  # what a storage tier is still writing leaves memory once written
         per_block = tracker.held()
     finally:
         for handle in handles:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -107,6 +107,17 @@ FORKED_COPY = ("acshim offload: this saved tensor's copy was in flight when the 
                "to the parent process. Run backward in the process that ran the forward.")
 
 _pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def wait_for_copies(timeout: float = 10.0) -> None:
+    """Wait until every copy the worker pools have in flight has ended (``timeout`` seconds at most
+    for each); a copy's failure is its session's to report, not raised here."""
+    for pool in list(_pools):
+        for future in list(pool._in_flight):
+            try:
+                future.exception(timeout=timeout)
+            except (TimeoutError, CancelledError):
+                pass
 
 
 def _after_fork_in_child() -> None:

@@ -38,11 +38,9 @@ def _referenced(tier) -> int:
 def _writes_done() -> None:
     """Wait for the copies the CPU backend's workers still have in flight (on a loaded machine the
     last writes of a step outlast it)."""
-    from acshim.backends.cpu import _pools
+    from acshim.backends.cpu import wait_for_copies
 
-    for pool in list(_pools):
-        for future in list(pool._in_flight):
-            future.exception(timeout=10.0)
+    wait_for_copies()
 
 
 def _measured(spill_in, directory, forward, tier, steps):
