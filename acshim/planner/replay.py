@@ -56,12 +56,7 @@ class _ReplayOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        given = [g for g in grads if g is not None]
-        out = []
-        for shape, dtype, device in ctx.inputs:
-            match = next((g for g in given if g.shape == shape and g.dtype == dtype), None)
-            out.append(match if match is not None else torch.zeros(shape, dtype=dtype, device=device))
-        return (None, None, *out, *([None] * ctx.outputs))
+        return (None, None, *_input_grads(ctx.inputs, grads), *([None] * ctx.outputs))
 
 
 def replay(recorded: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -126,12 +121,7 @@ class _ReplaySpec(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        given = [g for g in grads if g is not None]
-        out = []
-        for shape, dtype, device in ctx.inputs:
-            match = next((g for g in given if g.shape == shape and g.dtype == dtype), None)
-            out.append(match if match is not None else torch.zeros(shape, dtype=dtype, device=device))
-        return (None, None, *out)
+        return (None, None, *_input_grads(ctx.inputs, grads))
 
 
 def replay_spec(spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -146,3 +136,15 @@ def replay_spec(spec: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
     made = iter(_ReplaySpec.apply(specs, anchor, *inputs))
     return rebuild([next(made) if isinstance(leaf, TensorSpec) else leaf for leaf in leaves])
+
+
+def _input_grads(inputs: list[tuple[Any, Any, Any]], grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+    """A gradient per recorded input ``(shape, dtype, device)``: an output gradient of the same shape
+    and dtype where there is one (any will do: the replayed part's numbers are not the point, its
+    memory is), else zeros."""
+    given = [g for g in grads if g is not None]
+    out = []
+    for shape, dtype, device in inputs:
+        match = next((g for g in given if g.shape == shape and g.dtype == dtype), None)
+        out.append(match if match is not None else torch.zeros(shape, dtype=dtype, device=device))
+    return out
