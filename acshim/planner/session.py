@@ -221,7 +221,7 @@ class PlanSession:
         base, _, tier = choice.partition(":")
         if base == "keep":
             engine.STATS.forward(function)
-            if self._outside != "keep":  # the model around it is offloaded: a kept region is not
+            if self._outside_offloaded():  # the model around it is offloaded: a kept region is not
                 with no_offload():
                     return function(*args, **kwargs)
             return function(*args, **kwargs)
@@ -234,10 +234,16 @@ class PlanSession:
                 return function(*args, **kwargs)
         if site.options is None or site.choice != choice:
             site.options, site.choice = choice_options(choice), choice
-        if self._outside != "keep" and base != "recompute+offload":  # as for keep: not offloaded
+        if self._outside_offloaded() and base != "recompute+offload":  # as for keep: not offloaded
             with no_offload():
                 return run_region_now(function, args, kwargs, site.options)
         return run_region_now(function, args, kwargs, site.options)
+
+    def _outside_offloaded(self) -> bool:
+        """Whether the part outside the regions is offloaded now (not merely chunked: ``head``/``loss``
+        move nothing, and ``no_offload``'s kept tensors would tie a step's graph into reference
+        cycles that only its backward breaks: a verification stopped over budget leaked 13 MiB)."""
+        return split_outside(self._outside)[0] != "keep"
 
     def _before_step(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """The model's forward pre-hook: region positions restart; after planning, a step whose inputs

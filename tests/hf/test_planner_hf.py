@@ -70,3 +70,50 @@ def test_plan_chooses_the_chunked_head_for_a_big_vocabulary_and_trains_exactly(l
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
     acshim.remove_checkpointing(model)
     assert "forward" not in model.lm_head.__dict__
+
+
+def _graph_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+def test_a_step_dropped_without_backward_frees_its_graph_under_a_chunked_head_plan(monkeypatch) -> None:
+    """``acshim run --budget``'s session with a plan whose outside part is chunked but not offloaded
+    (``head``): kept regions run as plain calls, so a forward whose graph is dropped without backward
+    (an evaluation with grad on, a verification stopped over the budget) frees it. (They ran under
+    ``no_offload``, whose pack hook holds each saved tensor: a tensor saved by its own node made a
+    reference cycle through the autograd graph that only backward breaks. A stopped verification of
+    a LoRA Llama left 13 MiB behind each time, and the planner refused a budget its plan fits.)"""
+    from acshim import region
+    from acshim.planner import session as session_module
+    from acshim.planner.plan import Plan
+    from acshim.planner.session import PlanSession
+
+    solve_within = session_module.solve_within
+
+    def fixed(profile, budget, measure, **kwargs):
+        assert "head" in profile.outside_choices()
+        forced = Plan.from_choices(solve_within(profile, 1.0, None), ["keep"] * len(profile.blocks), outside="head")
+        found = measure(forced)
+        forced.measured_held, forced.measured_peak = found.held, found.peak
+        return forced
+
+    monkeypatch.setattr(session_module, "solve_within", fixed)
+    vocab = 8192
+    ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(5))
+    model = acshim.testing.hf_model("llama", vocab_size=vocab)
+    acshim.apply_checkpointing(model)
+    session = PlanSession(0.9, memory="tensors").start()
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert session.plan is not None and session.plan.outside == "head"
+        before = _graph_tensors()
+        loss = model(input_ids=ids, labels=ids).loss
+        assert loss.grad_fn is not None and _graph_tensors() > before
+        del loss
+        assert _graph_tensors() == before
+    finally:
+        session.stop()
+    assert region.ROUTERS == []
