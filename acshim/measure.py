@@ -24,7 +24,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import structures
-from .backends.cpu import wait_for_copies
 from .blocks import find_blocks
 
 OTHER = "<other>"
@@ -158,6 +157,9 @@ def measure_memory(
             output = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(output)
             del output
+            # imported here: in a source checkout acshim.backends is mapped after this module loads
+            from .backends.cpu import wait_for_copies
+
             wait_for_copies()  # what a storage tier is still writing leaves memory once written
         per_block = tracker.held()
     finally:
