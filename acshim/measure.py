@@ -129,6 +129,9 @@ def measure_memory(
     Copies a storage tier still has in flight when forward ends are waited for first: the tensors
     they are writing leave memory once written, so they are not counted as held.
     """
+    # imported here: in a source checkout acshim.backends is mapped after this module loads
+    from .backends.cpu import wait_for_copies
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"measure_memory needs an nn.Module, got {type(model).__name__}")
     if loss_fn is not None and not callable(loss_fn):
@@ -157,9 +160,6 @@ def measure_memory(
             output = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(output)
             del output
-            # imported here: in a source checkout acshim.backends is mapped after this module loads
-            from .backends.cpu import wait_for_copies
-
             wait_for_copies()  # what a storage tier is still writing leaves memory once written
         per_block = tracker.held()
     finally:

@@ -474,7 +474,7 @@ def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and "frontier.png" in done.stdout
     size = (int(picture.SIZE_INCHES[1] * picture.DPI), int(picture.SIZE_INCHES[0] * picture.DPI))
     assert matplotlib.image.imread(tmp_path / "frontier.png").shape[:2] == size
-    done = _acshim("run", "--budget", "0.7", "--png", "run.png", str(script), "1", cwd=tmp_path, env=PLANNABLE)
+    done = _acshim("run", "--budget", "0.45", "--png", "run.png", str(script), "1", cwd=tmp_path, env=PLANNABLE)
     assert done.returncode == 0, done.stderr
     assert "acshim: wrote run.png" in done.stderr and _result(done.stdout)["equal"]
     assert matplotlib.image.imread(tmp_path / "run.png").shape[:2] == size
