@@ -81,6 +81,9 @@ class Profile:
     unchecked_floor: int = 0
     """A lower bound of no checkpointing's peak from the step run on fake tensors (0: none): what
     ``plan.reference`` never goes below where the budget stopped the measurements it adds up."""
+    unmeasured: list[str] = field(default_factory=list)
+    """Choices left unmeasured because no plan within reach of the budget would take them (the
+    planner's ``DEFERRED``): ``INFEASIBLE`` here, so ``frontier()`` below this budget leaves them out."""
 
     def outside_choices(self) -> list[str]:
         """The choices for the part outside the blocks that were measured within the budget."""
@@ -136,7 +139,7 @@ class Profile:
                 "other_transient": self.other_transient, "other_seconds": self.other_seconds,
                 "signature": self.signature, "prefetch": self.prefetch, "method": self.method,
                 "recompute_step": self.recompute_step, "outside": self.outside, "other_saved": self.other_saved,
-                "inputs": self.inputs, "stops": self.stops}
+                "inputs": self.inputs, "stops": self.stops, "unmeasured": self.unmeasured}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:

@@ -55,7 +55,7 @@ from .choices import (
 from .estimate import step_peak
 from .feedback import StepTimer
 from .picture import write_png as write_picture
-from .plan import Plan, PlanFileMismatch, load_plan_file, reference, solve_within
+from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
 from .profiler import RegionProfiler, Verification
@@ -72,7 +72,7 @@ from .sites import (
     world_size,
 )
 from .snapshot import ModelSnapshot
-from .solver import BudgetTooSmall
+from .solver import BudgetTooSmall, fastest
 from .steps import StepStart
 from .warmup import warm_up
 
@@ -357,9 +357,15 @@ class PlanSession:
         try:
             with profiler:
                 profile = self.reuse if self.reuse is not None else self._profile(root, profiler, fraction, limit)
-                if limit is None and fraction is not None:
-                    limit = parse_budget(self.budget, reference(profile)[0] or profile.recompute_step.get("peak", 0))
+                fractional = limit is None and fraction is not None
+                if fractional:
+                    limit = _fraction_in_bytes(self.budget, profile)
                 profiler.set_limit(limit)
+                if profiler.pending():
+                    _measure_within_reach(profile, profiler, limit)
+                    if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
+                        limit = _fraction_in_bytes(self.budget, profile)
+                        profiler.set_limit(limit)
                 profiler.drop_copies()
 
                 def measure(candidate: Plan) -> Verification:
@@ -374,6 +380,9 @@ class PlanSession:
         finally:
             self._profiler = None
             self.mode = "idle" if self.plan is None else "planned"
+        if result.profile.unmeasured:
+            result.notes.append(f"not measured, as no plan within {1 - REACH:.0%} of the budget would take them: "
+                                f"{', '.join(result.profile.unmeasured)} (frontier() leaves them out)")
         self._budget_bytes = result.budget
         return result
 
@@ -417,7 +426,7 @@ class PlanSession:
             regions = sum(site.saved for site in self.sites)
             profiler.set_limit(max(least, int(fraction * (kept["held"] + regions + kept["transient"]))))
         # 3. each distinct region alone, per choice
-        blocks = profiler.regions(choices, names)
+        blocks = profiler.regions(choices, names, defer=self._defer())
         root.zero_grad(set_to_none=True)
         profile = Profile(
             blocks=blocks, choices=choices, other_held=int(kept["held"]), other_transient=int(kept["transient"]),
@@ -432,6 +441,12 @@ class PlanSession:
             profile = agree_profile(profile, device_of(root))
             profile.method += f"; agreed across {self.world} ranks (each number the largest any rank measured)"
         return profile
+
+    def _defer(self) -> bool:
+        """Whether choices that bounding ones make unlikely may go unmeasured (``profiler.DEFERRED``):
+        not where the whole frontier is shown (``sweep``, ``png``), nor across ranks (each rank
+        would have to measure the same ones in lock-step)."""
+        return not (self.sweep or self.png or self.world > 1)
 
     def _drop_sites_data(self) -> None:
         for site in self.sites:
@@ -572,6 +587,37 @@ def _offload_rest_of_forward(root: nn.Module, scope: SharedOffload) -> None:
         scope.__exit__(None, None, None)
 
     handles.append(root.register_forward_hook(leave, always_call=True))
+
+
+REACH = 0.85
+"""Deferred choices are measured when a plan solved at the budget, or at this share of it (where
+re-solves after a verification over budget go), would use them."""
+
+
+def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int) -> None:
+    """Measure the choices ``profiler`` deferred that a plan within reach could use: solve on their
+    lower bounds (``RegionProfiler.optimistic``) at the first target ``solve_within`` will try and
+    at ``REACH`` of it; each deferred choice the fastest solution takes is measured and the solve
+    repeated (the least-peak tie-break among plans within noise is left to the measured choices).
+    A budget no plan meets measures them all (the least achievable peak is then exact). Those left
+    stay out of this profile (``Profile.unmeasured``)."""
+    target = int(limit * (1 - HEADROOM)) - profiler.used()
+    for share in (1.0, REACH):
+        while profiler.pending():
+            found = fastest(profiler.optimistic(profile), int(share * target))
+            if found is None:
+                profiler.measure_pending()
+                break
+            wanted = set(found.choices) & profiler.pending()
+            if not wanted:
+                break
+            profiler.measure_pending(wanted)
+    profile.unmeasured = sorted(profiler.pending())
+
+
+def _fraction_in_bytes(budget: Any, profile: Profile) -> int:
+    """A fractional budget in bytes: that share of no checkpointing's peak as the profile estimates it."""
+    return parse_budget(budget, reference(profile)[0] or profile.recompute_step.get("peak", 0))
 
 
 def _fresh_baseline(memory: ProcessMemory) -> int:

@@ -265,14 +265,22 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
     return best
 
 
+def fastest(profile: Profile, budget: int) -> Solution | None:
+    """The least-objective assignment fitting ``budget`` (no tie-break on peak), None if none fits."""
+    found = _best(profile, budget, profile.choices, profile.outside_choices())
+    return found[1] if found is not None else None
+
+
 def _least_peak_within_noise(profile: Profile, budget: int, choices: list[str], outsides: list[str]
                              ) -> Solution | None:
     """Among assignments fitting ``budget`` whose objective is within ``NOISE`` of the least, the one
     the least budget still allows (bisection on the budget: the least objective never rises with it)."""
-    best = _best(profile, budget, choices, outsides)
-    if best is None:
+    each = [(found, outside) for outside in outsides if (found := _best(profile, budget, choices, [outside]))]
+    if not each:
         return None
+    best = min(each, key=lambda pair: pair[0][0])[0]  # the first listed on equal objective, as _best
     allowed = best[0] * (1 + NOISE)
+    outsides = [outside for found, outside in each if found[0] <= allowed]  # the others stay out at any budget
     low, high = minimum_peak(profile), budget
     step = max(unit_of(profile), budget // 256)
     while high - low > step:

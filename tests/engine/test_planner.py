@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import itertools
 import random
@@ -13,10 +14,11 @@ import torch
 import acshim
 from acshim.planner import BudgetTooSmall, Plan, measure_step, parse_budget, plan, solver
 from acshim.planner.budget import budget_at_least
-from acshim.planner.choices import OffloadedForward, expand_choices, split_outside
-from acshim.planner.profile import BlockProfile, Profile
+from acshim.planner.choices import OffloadedForward, SharedOffload, expand_choices, split_outside
+from acshim.planner.profile import BlockProfile, Profile, feasible
 from acshim.planner.profiler import RegionProfiler
 from acshim.planner.replay import Copies, replay
+from acshim.planner.session import PlanSession
 from acshim.planner.solver import minimum_peak, rounded_peak, solve
 from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
 
@@ -232,6 +234,31 @@ def test_budget_below_minimum_names_it(ids, half):
     assert caught.value.minimum > least // 2
     assert abs(caught.value.minimum - least) < 0.1 * least  # a new profile of the same model agrees
     assert state_of(model) == before
+
+
+def test_recompute_offload_is_measured_only_when_a_plan_within_reach_could_take_it(ids, monkeypatch):
+    """Planning defers measuring ``recompute+offload`` (``profiler.DEFERRED``): at a generous budget
+    no plan could take it, so it is left unmeasured, out of the profile, and the plan says so; a
+    budget no plan meets measures it, so the least achievable peak named is the one measuring every
+    choice gives; and its lower bounds hold against its measurement."""
+    generous = plan(small_gpt(), ids, budget=0.9, memory="tensors")
+    assert generous.profile.unmeasured == ["recompute+offload:disk"]
+    assert not any(feasible(b, "recompute+offload:disk") for b in generous.profile.blocks)
+    assert any(note.startswith("not measured") and "recompute+offload:disk" in note for note in generous.notes)
+    with pytest.raises(BudgetTooSmall) as deferred:
+        plan(small_gpt(), ids, budget=0.3, memory="tensors")
+
+    monkeypatch.setattr(PlanSession, "_defer", lambda self: False)  # as --sweep: every choice measured
+    everything = plan(small_gpt(), ids, budget=0.9, memory="tensors")
+    assert everything.profile.unmeasured == [] and not any(n.startswith("not measured") for n in everything.notes)
+    with pytest.raises(BudgetTooSmall) as measured:
+        plan(small_gpt(), ids, budget=0.3, memory="tensors")
+    assert deferred.value.minimum == measured.value.minimum
+    for block in everything.profile.blocks:
+        in_flight = min(SharedOffload.IN_FLIGHT, 2 * block.saved)
+        both = block.transient["recompute"], block.transient["offload:disk"] - in_flight
+        assert block.transient["recompute+offload:disk"] >= in_flight + min(both)
+        assert block.held["recompute+offload:disk"] >= 0
 
 
 def test_every_choice_gives_bitwise_equal_gradients(ids, half):
@@ -542,3 +569,20 @@ def test_plan_with_outside_offload_compiles_with_bitwise_gradients(ids, half):
     compiled = torch.compile(model, backend="aot_eager")
     got = train_step(compiled, ids, seed=5)
     assert_bitwise_equal(expected, {name.replace("_orig_mod.", ""): value for name, value in got.items()})
+
+
+def test_planning_leaves_the_garbage_collector_as_it_found_it(ids):
+    """Planning freezes what the script holds (its collections then walk only planning's objects) and
+    unfreezes it, also when it fails; a script's own freeze is left alone."""
+    plan(small_gpt(), ids, budget=0.9, memory="tensors")
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(BudgetTooSmall):
+        plan(small_gpt(), ids, budget=0.05, memory="tensors")
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        plan(small_gpt(), ids, budget=0.9, memory="tensors")
+        assert 0 < gc.get_freeze_count() <= frozen  # not unfrozen, nothing of planning frozen
+    finally:
+        gc.unfreeze()
