@@ -45,3 +45,17 @@ def test_views_and_small_operators_pass_and_are_sampled() -> None:
     assert guard.last <= guard.peak < 8 * MIB  # sampled after each operator, never near the limit
     del view, small
     gc.collect()
+
+
+def test_a_linear_on_a_batch_of_sequences_counts_its_output_once() -> None:
+    """``F.linear`` on 3-d input is a matmul then ``aten::_unsafe_view`` of its result (a view whose
+    schema says nothing of aliasing): the logits of a language model's head were counted twice, and
+    planning a LoRA Llama with a 32k vocabulary was stopped at budgets it fits."""
+    hidden, weight = torch.randn(4, 1024, 256), torch.randn(1024, 256)
+    with _guard(room=26 * MIB) as guard:
+        logits = torch.nn.functional.linear(hidden, weight)   # 16 MiB, once
+    assert logits.shape == (4, 1024, 1024)
+    assert 15 * MIB < guard.peak < 26 * MIB
+    with _guard(room=12 * MIB), pytest.raises(OverBudget) as stopped:
+        torch.nn.functional.linear(hidden, weight)             # what does not fit is still stopped
+    assert stopped.value.size == 16 * MIB
