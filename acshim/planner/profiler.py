@@ -42,7 +42,7 @@ from .. import head, structures
 from ..head import planning_loss
 from ..region_state import region_inputs
 from ..storage.reaper import REAPER
-from .choices import SharedOffload, install_outside, is_offload
+from .choices import SharedOffload, install_outside, is_offload, split_outside
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
 from .process import Guard, OverBudget, ProcessMemory, trim
@@ -78,6 +78,15 @@ flight plus the lesser of recompute's and offload's own transient. Planning skip
 block alone (a seventh of a step on GPT-2 8x512) whenever no plan within reach would take it.
 (``selective-alt`` has no bound tight enough: held as little as recompute and as fast as selective,
 it would be taken, and measured, wherever selective is close.)"""
+
+
+OUTSIDE_BOUNDS = 6
+"""A chunked head or loss (``acshim.head``) is measured only when a plan within reach could take it,
+with these lower bounds from the same outside part without it: it holds at least that less all the
+outside part saves, peaks at least that less this many copies of the logits (the logits, their
+upcast or shifted copy, the log-softmax, and in backward their gradients: what chunking avoids), and
+runs no faster. Where the vocabulary is small (GPT-2 8x512 here: 1 MiB of logits) no plan takes it
+and four measurements of the outside part are skipped."""
 
 
 @dataclass
@@ -118,6 +127,10 @@ class RegionProfiler:
         self._measured: dict[Any, tuple[BlockProfile, dict[str, ChoiceMeasurement], Any]] = {}
         """Per distinct region: its profile (shared by identical ones), measured runs, site."""
         self._pending: dict[Any, set[str]] = {}
+        self.pending_outside: set[str] = set()
+        """Outside choices with a chunked head or loss not measured yet (``defer_outside``)."""
+        self.logits_bytes = 0
+        """The LM head's output in the counting step (0: none ran)."""
         self._choices: list[str] = []
 
     # ---------------------------------------------------------------------------------- lifetime
@@ -204,8 +217,10 @@ class RegionProfiler:
         with saved:
             self.saved = saved
             chunked = head.available(self.root)  # the logits need not exist in a plan: nor here
+            watch = None
             if chunked:
                 install_outside(self.root, "head")
+                watch = head.find_head(self.root).register_forward_hook(self._note_logits)  # type: ignore[union-attr]
             try:
                 self.step(backward=False)
             except OverBudget as error:
@@ -217,11 +232,17 @@ class RegionProfiler:
                 self.saved = None
                 if chunked:
                     install_outside(self.root, "keep")
+                if watch is not None:
+                    watch.remove()
         self.counted = saved
         if stopped is not None:  # outside the except block: the stopped step's frames are gone
             self._settle()
             self.stops["forward"] = stopped[0]
             raise OverBudget(stopped[0], self.guard.current_limit() or 0, stopped[3], stopped[1], stopped[2])
+
+    def _note_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            self.logits_bytes = max(self.logits_bytes, output.numel() * output.element_size())
 
     def fraction_limit_for_outside(self, fraction: float, least: int = 0) -> None:
         """While the part outside the regions is measured and the budget is a share of no
@@ -341,11 +362,23 @@ class RegionProfiler:
         return profiles
 
     def pending(self) -> set[str]:
-        """Choices some distinct region has not been measured as yet (``regions(defer=True)``)."""
-        return set().union(*self._pending.values()) if self._pending else set()
+        """Choices not measured as yet: some distinct region's (``regions(defer=True)``) and the outside
+        part's (``defer_outside``)."""
+        return set().union(*self._pending.values(), self.pending_outside)
 
-    def measure_pending(self, wanted: set[str] | None = None) -> None:
-        """Measure the pending choices (those in ``wanted``; all by default), every distinct region."""
+    def defer_outside(self, outside: dict[str, dict[str, float]], parts: list[str]) -> None:
+        """Leave ``parts`` (outside choices with a chunked head or loss) unmeasured for now: ``INFEASIBLE``
+        in ``outside`` until ``measure_pending`` runs them."""
+        for part in parts:
+            outside[part] = {"held": INFEASIBLE, "transient": INFEASIBLE, "seconds": float("inf")}
+        self.pending_outside |= set(parts)
+
+    def measure_pending(self, profile: Profile, wanted: set[str] | None = None) -> None:
+        """Measure the pending choices (those in ``wanted``; all by default) into ``profile``: every
+        distinct region's, and the outside part's."""
+        for part in sorted(self.pending_outside & wanted if wanted is not None else set(self.pending_outside)):
+            self.pending_outside.discard(part)
+            profile.outside[part] = self.outside(part)
         self.session.mode = "alone"
         for key, pending in list(self._pending.items()):
             for choice in sorted(pending & wanted if wanted is not None else set(pending), key=_memory_rank):
@@ -357,9 +390,9 @@ class RegionProfiler:
 
     def optimistic(self, profile: Profile) -> Profile:
         """``profile`` with each pending choice at a lower bound of what measuring it could give
-        (``DEFERRED``): a plan solved on it that uses no pending choice is the plan measuring them
-        all would give."""
-        if not self._pending:
+        (``DEFERRED``, ``OUTSIDE_BOUNDS``): a plan solved on it that uses no pending choice is the plan
+        measuring them all would give."""
+        if not self._pending and not self.pending_outside:
             return profile
         bounded = {id(self._measured[key][0].held): (pending, self._measured[key][2])
                    for key, pending in self._pending.items()}
@@ -373,7 +406,14 @@ class RegionProfiler:
                 held[choice], seconds[choice] = 0, block.seconds[recompute]
                 transient[choice] = in_flight + min(block.transient[recompute], block.transient[offload] - in_flight)
             blocks.append(replace(block, held=held, transient=transient, seconds=seconds, window=dict(block.window)))
-        return replace(profile, blocks=blocks)
+        outside = dict(profile.outside)
+        for part in self.pending_outside:
+            rest = split_outside(part)[0]
+            base_held, base_transient, base_seconds = profile.other(rest)
+            outside[part] = {"held": max(0, base_held - profile.other_saved),
+                             "transient": max(0, base_transient - OUTSIDE_BOUNDS * self.logits_bytes),
+                             "seconds": base_seconds}
+        return replace(profile, blocks=blocks, outside=outside)
 
     def _measure(self, key: Any, choice: str) -> bool:
         """Region ``key`` alone as ``choice`` into its profile; False if it went over the budget."""

@@ -418,7 +418,9 @@ class PlanSession:
         # 2. the part outside the regions, alone (regions replayed): kept, and offloaded per tier
         # (a model that is itself a region has no outside part)
         parts = outside_choices(root, choices) if checkpointed_forward_of(root) is None else ["keep"]
-        outside = {part: profiler.outside(part) for part in parts}
+        later = [part for part in parts if self._defer() and split_outside(part)[1] is not None]
+        outside = {part: profiler.outside(part) for part in parts if part not in later}
+        profiler.defer_outside(outside, later)
         kept = outside.pop("keep")
         if limit is None and fraction is not None and kept["held"] < INFEASIBLE:
             # closer to no checkpointing's peak: every region's saved bytes held while the head's
@@ -606,12 +608,12 @@ def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int
         while profiler.pending():
             found = fastest(profiler.optimistic(profile), int(share * target))
             if found is None:
-                profiler.measure_pending()
+                profiler.measure_pending(profile)
                 break
-            wanted = set(found.choices) & profiler.pending()
+            wanted = {*found.choices, found.outside} & profiler.pending()
             if not wanted:
                 break
-            profiler.measure_pending(wanted)
+            profiler.measure_pending(profile, wanted)
     profile.unmeasured = sorted(profiler.pending())
 
 

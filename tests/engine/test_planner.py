@@ -253,7 +253,8 @@ def test_recompute_offload_is_measured_only_when_a_plan_within_reach_could_take_
     assert everything.profile.unmeasured == [] and not any(n.startswith("not measured") for n in everything.notes)
     with pytest.raises(BudgetTooSmall) as measured:
         plan(small_gpt(), ids, budget=0.3, memory="tensors")
-    assert deferred.value.minimum == measured.value.minimum
+    # the same least peak: measured later, the outside part's held bytes may differ by a few hundred bytes
+    assert abs(deferred.value.minimum - measured.value.minimum) <= 1024
     for block in everything.profile.blocks:
         in_flight = min(SharedOffload.IN_FLIGHT, 2 * block.saved)
         both = block.transient["recompute"], block.transient["offload:disk"] - in_flight

@@ -30,6 +30,20 @@ def test_plan_profiles_cached_blocks_and_trains_exactly(family: str) -> None:
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
 
 
+def test_a_chunked_head_is_left_unmeasured_where_no_plan_could_take_it() -> None:
+    """At a small vocabulary and a generous budget the chunked head and loss (``acshim.head``) cannot
+    pay: planning does not measure them (``profiler.OUTSIDE_BOUNDS``) and says so; the big
+    vocabulary below is where they are measured and taken."""
+    model = acshim.testing.hf_model("gpt2")
+    model.train()
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    found = acshim.plan(model, {"input_ids": ids, "labels": ids}, budget=0.9, memory="tensors")
+    chunked = {"loss", "head", "offload:disk+loss", "offload:disk+head"}
+    assert chunked <= set(found.profile.unmeasured), found.profile.unmeasured
+    assert found.outside not in chunked and not chunked & set(found.profile.outside_choices())
+    assert any(note.startswith("not measured") and "offload:disk+head" in note for note in found.notes)
+
+
 @pytest.mark.parametrize("loss_in", ["forward", "script"])
 def test_plan_chooses_the_chunked_head_for_a_big_vocabulary_and_trains_exactly(loss_in: str) -> None:
     """A big vocabulary (the logits dominate): at 0.75 of no checkpointing's peak the plan runs the head
@@ -101,6 +115,7 @@ def test_a_step_dropped_without_backward_frees_its_graph_under_a_chunked_head_pl
         return forced
 
     monkeypatch.setattr(session_module, "solve_within", fixed)
+    monkeypatch.setattr(PlanSession, "_defer", lambda self: False)  # the chunked head measured, not needed at 0.9
     vocab = 8192
     ids = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(5))
     model = acshim.testing.hf_model("llama", vocab_size=vocab)
