@@ -63,12 +63,10 @@ class SharedOffload:
     ``acshim.offload(storage, prefetch)`` around the whole forward. One block's offload scope alone
     (a session per block) kept the last ``prefetch`` tensors of *every* block resident instead."""
 
-    IN_FLIGHT = 8 << 20
+    IN_FLIGHT = 4 << 20
     """Bytes waiting to be copied out before forward waits for the oldest copy (the storage tier's
     back-pressure, at most its own bound): a plan's peak counts them, as copies in flight hold their
-    tensors wherever the copies have got to when the peak comes. The disk tier's own bound: at 4 MiB
-    an all-offload plan ran 2-3% slower than ``acshim.offload(storage="disk")`` around the step
-    (forward waited for copies of 4 MiB MLP tensors one by one; GPT-2 8x512, idle)."""
+    tensors wherever the copies have got to when the peak comes."""
 
     def __init__(self, storage: str, prefetch: int) -> None:
         from ..storage.scopes import _Options
