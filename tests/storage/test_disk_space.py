@@ -117,6 +117,12 @@ def test_a_dropped_graph_frees_its_slots_before_the_next_forward(make, disk_dir)
     the next forward's first save."""
     forward, tier = make(disk_dir)
     loss = forward(torch.randn(BATCH, WIDTH))
+    # slots are taken as the writes start: on a loaded machine the workers may not have begun when
+    # forward returns (CI saw 0 here); wait for that, not for the writes to end (copies in flight
+    # when the graph goes are the point)
+    deadline = time.monotonic() + 10.0
+    while _referenced(tier) < STEP_BYTES // 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert REAPER.settle() and _referenced(tier) >= STEP_BYTES // 4
     del loss
     # a copy still being written when the graph went frees its slot when the write ends, with no
