@@ -10,6 +10,8 @@ API) counts as not run.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,19 @@ _session: dict[str, dict | list] = {"outcomes": {}, "overclaims": []}
 
 def pytest_configure(config: pytest.Config) -> None:
     _session["outcomes"], _session["overclaims"] = {}, []
+    if not hasattr(config, "workerinput") and "TORCH_EXTENSIONS_DIR" not in os.environ:
+        # This session's own cache for compiled extensions (acshim's, DeepSpeed's shm op), inherited
+        # by xdist workers and test subprocesses: a build another run left half-done (its baton
+        # file, on which torch waits forever) cannot stall this one.
+        os.environ["TORCH_EXTENSIONS_DIR"] = _session["extensions"] = tempfile.mkdtemp(
+            prefix="acshim-tests-extensions-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    directory = _session.pop("extensions", None)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
 
 
 # A skip whose reason starts with this says the installed upstream version lacks the very API the

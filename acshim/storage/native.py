@@ -17,10 +17,13 @@ whichever build was there, an engine that could be another version's.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from types import ModuleType
@@ -91,8 +94,9 @@ class _Loader:
             try:
                 from torch.utils.cpp_extension import load
 
-                self.module = load(name=FILEIO_EXTENSION, sources=[_source(name) for name in FILEIO_SOURCES],
-                                   extra_cflags=["-O2", "-std=c++17"], verbose=verbose)
+                with _one_builder(build_directory()):
+                    self.module = load(name=FILEIO_EXTENSION, sources=[_source(name) for name in FILEIO_SOURCES],
+                                       extra_cflags=["-O2", "-std=c++17"], verbose=verbose)
                 self.reason = f"compiled extension {FILEIO_EXTENSION} loaded"
             except Exception as error:  # any compiler/toolchain failure means: use the Python path
                 self.module = None
@@ -129,6 +133,33 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+BUILD_LOCK = "acshim-build.flock"
+TORCH_BATON = "lock"
+
+
+@contextlib.contextmanager
+def _one_builder(directory: str) -> Iterator[None]:
+    """Let one process at a time into torch's ``load`` for ``directory``, and clear a stale baton.
+
+    torch serialises builds with a baton file (``<build dir>/lock``, ``torch.utils.file_baton``)
+    that only its holder removes, and waits on it with no time limit: a process killed while
+    compiling (SIGKILL, an out-of-memory kill, a CI timeout) leaves it behind, and every later
+    first use of the disk tier then hangs forever. Every acshim process takes this ``flock`` before
+    ``load``, and the kernel drops a ``flock`` when its holder dies, so a baton found while holding
+    it was left by a dead process and is removed. (Hand-written: torch's baton has no owner to
+    check and no timeout to set.)
+    """
+    os.makedirs(directory, exist_ok=True)
+    descriptor = os.open(os.path.join(directory, BUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, TORCH_BATON))
+        yield
+    finally:
+        os.close(descriptor)  # closing drops the flock
 
 
 def _source(name: str) -> str:
@@ -184,10 +215,11 @@ def pack_module() -> ModuleType | None:
         module = None
         if torch.cuda.is_available():
             try:
-                from torch.utils.cpp_extension import load
+                from torch.utils.cpp_extension import _get_build_directory, load
 
-                module = load(name=PACK_EXTENSION, sources=[_source(name) for name in PACK_SOURCES],
-                              extra_cuda_cflags=["-O2"])
+                with _one_builder(_get_build_directory(PACK_EXTENSION, verbose=False)):
+                    module = load(name=PACK_EXTENSION, sources=[_source(name) for name in PACK_SOURCES],
+                                  extra_cuda_cflags=["-O2"])
             except Exception as error:  # fall back to torch ops, same bytes
                 warnings.warn(f"acshim: CUDA pack kernels unavailable ({error}); using torch ops", RuntimeWarning,
                               stacklevel=2)

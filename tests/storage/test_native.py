@@ -54,3 +54,27 @@ def test_cuda_pack_kernels_are_not_built_without_cuda():
     assert not torch.cuda.is_available()
     assert native.pack_module() is None
     assert native.status().cuda_pack.startswith("not built")
+
+
+def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_process(tmp_path):
+    """torch waits with no time limit on ``<build dir>/lock``, which only a live builder removes; a
+    build killed mid-compile left it and every later first use of the disk tier hung (seen in CI,
+    where a timed-out run killed a build). A fresh process must clear it and load."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    directory = native.build_directory()
+    os.makedirs(directory, exist_ok=True)
+    baton = os.path.join(directory, native.TORCH_BATON)
+    guard = os.open(os.path.join(directory, native.BUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # plant the baton while no acshim process can be building (as a killed builder leaves it)
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        open(baton, "w").close()
+    finally:
+        os.close(guard)
+    done = subprocess.run([sys.executable, "-c", "from acshim.storage import native; print(native.build(False).path)"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "native", done.stderr[-2000:]
+    assert not os.path.exists(baton)
