@@ -77,4 +77,9 @@ def test_a_baton_left_by_a_killed_build_does_not_hang_the_next_process(tmp_path)
     done = subprocess.run([sys.executable, "-c", "from acshim.storage import native; print(native.build(False).path)"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "native", done.stderr[-2000:]
-    assert not os.path.exists(baton)
+    guard = os.open(os.path.join(directory, native.BUILD_LOCK), os.O_RDWR)
+    try:  # torch takes the baton on every load, built or not: look while no acshim process can be loading
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        assert not os.path.exists(baton)
+    finally:
+        os.close(guard)
