@@ -65,16 +65,20 @@ class SharedOffload:
 
     IN_FLIGHT = 4 << 20
     """Bytes waiting to be copied out before forward waits for the oldest copy (the storage tier's
-    back-pressure, at most its own bound): a plan's peak counts them, as copies in flight hold their
-    tensors wherever the copies have got to when the peak comes."""
+    back-pressure, at most its own bound): profiles and predicted peaks count them, as copies in
+    flight hold their tensors wherever the copies have got to when the peak comes."""
+    MAX_IN_FLIGHT = 8 << 20
+    """The most a plan lets be in flight (the disk tier's own bound): a plan whose predicted peak
+    leaves room under its budget lets up to this much be in flight (``Plan.in_flight``), as
+    ``acshim.offload`` around the step does, so forward waits less for the copies."""
 
-    def __init__(self, storage: str, prefetch: int) -> None:
+    def __init__(self, storage: str, prefetch: int, in_flight: int = IN_FLIGHT) -> None:
         from ..storage.scopes import _Options
 
-        self.storage, self.prefetch = storage, prefetch
+        self.storage, self.prefetch, self.in_flight = storage, prefetch, in_flight
         options = _Options(storage, prefetch, None, None, None, None, None)
         self.session = options.session(options.tier(), per_tensor_groups=True)
-        self.session.max_bytes_in_flight = min(self.session.max_bytes_in_flight, self.IN_FLIGHT)
+        self.session.max_bytes_in_flight = min(self.session.max_bytes_in_flight, in_flight)
         self._hooks: list[Any] = []
 
     def __enter__(self) -> SharedOffload:
@@ -101,7 +105,15 @@ class SharedOffload:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Copies get a fresh schedule (pickle's memo keeps one per model when blocks go together).
-        return (SharedOffload, (self.storage, self.prefetch))
+        return (SharedOffload, (self.storage, self.prefetch, self.in_flight))
+
+
+def offload_scopes(choices: list[str], outside: str, prefetch: int, in_flight: int) -> dict[str, SharedOffload]:
+    """One ``SharedOffload`` per tier that ``choices`` (the blocks') or ``outside`` offload to, letting
+    ``in_flight`` bytes be in flight: the ``shared`` dict ``install``/``install_outside`` take."""
+    offload_part = split_outside(outside)[0]
+    tiers = [c.partition(":")[2] for c in [*choices, offload_part] if is_offload(c)]
+    return {tier: SharedOffload(tier, prefetch, in_flight) for tier in dict.fromkeys(tiers)}
 
 
 class OffloadedForward(CheckpointedForward):

@@ -14,7 +14,15 @@ from torch import nn
 
 from ..blocks import find_blocks
 from .budget import format_bytes, parse_budget
-from .choices import BASE_CHOICES, SharedOffload, install, install_outside, is_offload
+from .choices import (
+    BASE_CHOICES,
+    SharedOffload,
+    install,
+    install_outside,
+    is_offload,
+    offload_scopes,
+    split_outside,
+)
 from .process import check_memory_kind
 from .profile import INFEASIBLE, ModelState, Profile, feasible, model_signature, run_step
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
@@ -72,13 +80,18 @@ class Plan:
     outside: str = "keep"
     """The choice for the part of the model outside the blocks (embeddings, head, loss inside the
     forward): ``keep`` or ``offload:TIER``, through the offloaded blocks' schedule."""
+    in_flight: int = SharedOffload.IN_FLIGHT
+    """Bytes of copies out the offloaded blocks' schedule lets be in flight: the profiles' own
+    (``SharedOffload.IN_FLIGHT``, in ``peak``) and what the budget leaves above the predicted peak, up
+    to ``SharedOffload.MAX_IN_FLIGHT`` (the more in flight, the less forward waits on a slow tier)."""
 
     # -------------------------------------------------------------------------------- apply
     def apply(self, model: nn.Module) -> list[str]:
         """Install the plan on ``model`` in place; returns the names of the blocks made regions. A
         model other than the one planned for raises ``ValueError`` and is left untouched."""
         blocks = self._blocks_of(model)
-        shared: dict[str, SharedOffload] = {}  # the offloaded blocks share one schedule per tier
+        # the offloaded blocks share one schedule per tier
+        shared = offload_scopes(self.choices, self.outside, self.profile.prefetch, self.in_flight)
         within = is_offload(self.outside)
         for (_, block), choice in zip(blocks, self.choices, strict=True):
             install(block, choice, self.profile.prefetch, shared, within_offload=within)
@@ -147,6 +160,9 @@ class Plan:
         rows.append(f"predicted: held {format_bytes(self.held)}, peak {format_bytes(self.peak)} "
                     f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
                     f"({self.seconds / ref_seconds:.2f}x)")
+        if self.in_flight > SharedOffload.IN_FLIGHT:
+            rows.append(f"copies out in flight: up to {format_bytes(self.in_flight)} (room left under the budget; "
+                        f"{format_bytes(self.in_flight - SharedOffload.IN_FLIGHT)} of it in the predicted peak)")
         if self.measured_peak is not None:
             process = ("" if self.measured_process_peak is None
                        else f"; process peak above the step's start {format_bytes(self.measured_process_peak)}")
@@ -344,9 +360,11 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                              f"low by up to {format_bytes(budget_bytes - overhead - target)} and the tightened "
                              f"budget is below the least achievable peak {format_bytes(error.minimum + overhead)}"
                              ) from None
-        result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak,
+        extra = _extra_in_flight(found, target)
+        result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak + extra,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
-                      notes=list(notes), outside=found.outside, overhead=overhead)
+                      notes=list(notes), outside=found.outside, overhead=overhead,
+                      in_flight=SharedOffload.IN_FLIGHT + extra)
         if measure is None or (skip is not None and (found.choices, found.outside) == skip):
             return result
         verified = measure(result)
@@ -357,6 +375,10 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                           f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
         if not verified.stopped and seen <= accept:
             result.verified_seconds = verified.seconds
+            # copies in flight add at most their own bytes to what was measured: the room the
+            # measurement left (predictions of offloading plans run high) lets more be in flight
+            widen = _extra_in_flight(found, found.peak + accept - seen, result.in_flight - SharedOffload.IN_FLIGHT)
+            result.in_flight, result.peak = result.in_flight + widen, result.peak + widen
             if target != accept - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")
             return result
@@ -375,6 +397,16 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
             target -= max(seen - accept, unit_of(profile))
     raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "
                      f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
+
+
+def _extra_in_flight(found: Solution, target: int, already: int = 0) -> int:
+    """Bytes of copies in flight an offloading solution may have beyond the profiles' own and
+    ``already`` granted: the room between its predicted peak and ``target``, up to
+    ``SharedOffload.MAX_IN_FLIGHT`` in all (a tightened target after a plan measured over budget
+    leaves less room)."""
+    if not any(is_offload(c) for c in [*found.choices, split_outside(found.outside)[0]]):
+        return 0
+    return max(0, min(SharedOffload.MAX_IN_FLIGHT - SharedOffload.IN_FLIGHT - already, target - found.peak))
 
 
 class PlanFileMismatch(ValueError):

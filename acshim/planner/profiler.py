@@ -42,7 +42,7 @@ from .. import head, structures
 from ..head import planning_loss
 from ..region_state import region_inputs
 from ..storage.reaper import REAPER
-from .choices import SharedOffload, install_outside, is_offload, split_outside
+from .choices import SharedOffload, install_outside, is_offload, offload_scopes, split_outside
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
 from .process import Guard, OverBudget, ProcessMemory, trim
@@ -459,13 +459,14 @@ class RegionProfiler:
         return found
 
     # ---------------------------------------------------------------------------------- 4. verify
-    def verify(self, choices: list[str], outside: str) -> Verification:
-        """One step under ``choices`` / ``outside``, timed and measured as the process sees it (by the
-        storage tracker too where the process cannot be read, or ``memory="tensors"``: the tracker
-        would cost this step a tenth of its time for numbers the budget is not about)."""
+    def verify(self, choices: list[str], outside: str, in_flight: int = SharedOffload.IN_FLIGHT) -> Verification:
+        """One step under ``choices`` / ``outside`` (``in_flight``: ``Plan.in_flight``), timed and
+        measured as the process sees it (by the storage tracker too where the process cannot be read,
+        or ``memory="tensors"``: the tracker would cost this step a tenth of its time for numbers the
+        budget is not about)."""
         session = self.session
         session.mode, session._candidate = "measure", choices
-        session._shared = {}
+        session._shared = offload_scopes(choices, outside, session.prefetch, in_flight)
         self.guard.open_window("one step of the model under the candidate plan")
         self.root.zero_grad(set_to_none=True)
         tracked = not self.memory.available

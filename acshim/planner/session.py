@@ -49,6 +49,7 @@ from .choices import (
     choice_options,
     expand_choices,
     install_outside,
+    offload_scopes,
     outside_choices,
     split_outside,
 )
@@ -239,6 +240,10 @@ class PlanSession:
                 return run_region_now(function, args, kwargs, site.options)
         return run_region_now(function, args, kwargs, site.options)
 
+    def _use_schedules(self, plan: Plan) -> None:
+        """Fresh offload schedules for ``plan``'s tiers, letting its ``in_flight`` bytes be in flight."""
+        self._shared = offload_scopes(plan.choices, plan.outside, self.prefetch, plan.in_flight)
+
     def _outside_offloaded(self) -> bool:
         """Whether the part outside the regions is offloaded now (not merely chunked: ``head``/``loss``
         move nothing, and ``no_offload``'s kept tensors would tie a step's graph into reference
@@ -292,6 +297,7 @@ class PlanSession:
             if self.plan_file and rank() == 0:
                 self.plan.save(self.plan_file)  # type: ignore[union-attr]
         self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
+        self._use_schedules(self.plan)  # type: ignore[arg-type]
         if self.plan.outside != "keep":  # type: ignore[union-attr]
             install_outside(root, self.plan.outside, self.prefetch, self._shared)  # type: ignore[union-attr]
             self._outside = self.plan.outside  # type: ignore[union-attr]
@@ -369,7 +375,7 @@ class PlanSession:
                 profiler.drop_copies()
 
                 def measure(candidate: Plan) -> Verification:
-                    found = profiler.verify(candidate.choices, candidate.outside)
+                    found = profiler.verify(candidate.choices, candidate.outside, candidate.in_flight)
                     return agree_measurement(found, device_of(root)) if self.world > 1 else found
 
                 overhead = profiler.used()
@@ -486,6 +492,7 @@ class PlanSession:
         self.mode = "planned"
         plan = self.plan
         assert plan is not None
+        self._use_schedules(plan)
         if plan.outside != "keep":
             install_outside(root, plan.outside, self.prefetch, self._shared)
             self._outside = plan.outside
@@ -513,7 +520,8 @@ class PlanSession:
                 self._profiler = profiler
                 with profiler:
                     found = solve_within(profile, plan.budget,
-                                         lambda candidate: profiler.verify(candidate.choices, candidate.outside),
+                                         lambda candidate: profiler.verify(candidate.choices, candidate.outside,
+                                                                            candidate.in_flight),
                                          retries=self.retries, overhead=profiler.used(), skip=(plan.choices, plan.outside))
         except (BudgetTooSmall, ValueError):
             found = None
@@ -532,8 +540,8 @@ class PlanSession:
             if self._outside != "keep":
                 install_outside(root, "keep")
                 self._outside = "keep"
-            self._shared = {}
             self.plan = found
+            self._use_schedules(found)
             if found.outside != "keep":
                 install_outside(root, found.outside, self.prefetch, self._shared)
                 self._outside = found.outside

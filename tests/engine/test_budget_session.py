@@ -229,6 +229,7 @@ def test_outside_part_offloaded_by_the_plan_gradients_bitwise_and_undone(session
 
     def fixed(profile, budget, measure, **kwargs):
         forced = Plan.from_choices(solve_within(profile, 1.0, None), chosen, outside="offload:disk")
+        forced.in_flight = 6 << 20  # what room under a budget would grant: the schedules get it
         found = measure(forced)  # the candidate step runs as in planning
         forced.measured_held, forced.measured_peak = found.held, found.peak
         return forced
@@ -246,6 +247,7 @@ def test_outside_part_offloaded_by_the_plan_gradients_bitwise_and_undone(session
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
     scope = session._shared["disk"]
     assert model.forward.scope is scope and scope.session.stats.moved > 0
+    assert scope.session.max_bytes_in_flight == 6 << 20
     session.stop()
     assert "forward" not in model.__dict__
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))

@@ -358,8 +358,8 @@ def test_plan_measured_over_budget_is_re_solved(ids, monkeypatch):
     base = plan(model, ids, budget=1.0, memory="tensors", verify=False)
     _budget[0] = int(0.6 * base.reference_peak)
 
-    def over_once(self, choices, outside):
-        found = real(self, choices, outside)
+    def over_once(self, choices, outside, *in_flight):
+        found = real(self, choices, outside, *in_flight)
         calls.append(choices)
         if len(calls) == 1:
             found.peak = _budget[0] + 50_000
@@ -381,8 +381,8 @@ def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monk
     measured = []
     budgets = []
 
-    def slow_tier(self, choices, outside):
-        found = real(self, choices, outside)
+    def slow_tier(self, choices, outside, *in_flight):
+        found = real(self, choices, outside, *in_flight)
         offloads = outside != "keep" or any("offload" in c for c in choices)
         measured.append(offloads)
         if offloads:
@@ -404,8 +404,8 @@ def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monk
     assert measured[0] and not measured[-1]  # offload was planned first, and measured over
     assert result.measured_peak <= result.budget and "offload" not in result.outside
     assert not any("offload" in c for c in result.choices)  # tightened past offloading, or solved without it
-    def never(self, choices, outside):
-        found = real(self, choices, outside)
+    def never(self, choices, outside, *in_flight):
+        found = real(self, choices, outside, *in_flight)
         found.peak = 10**12  # nothing ever fits
         return found
 
@@ -587,3 +587,47 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it(ids):
         assert 0 < gc.get_freeze_count() <= frozen  # not unfrozen, nothing of planning frozen
     finally:
         gc.unfreeze()
+
+
+def test_an_offloading_plan_lets_copies_be_in_flight_up_to_the_room_its_budget_leaves(tmp_path, half):
+    """The profiles count ``SharedOffload.IN_FLIGHT`` bytes of copies in flight; a plan with room under
+    its budget lets up to ``MAX_IN_FLIGHT`` be in flight (forward waits less on the tier), counts the
+    extra in its predicted peak, applies it to the schedule it installs, and keeps it in its file; a
+    plan with no room keeps the profiles' own bound."""
+    model, result = half
+    profile = result.profile
+    assert "offload:disk" in profile.choices
+    # a profile where offloading every block is the fastest choice, so the solver takes it at both budgets
+    fast = dataclasses.replace(profile, outside={}, blocks=[
+        dataclasses.replace(b, seconds={c: 0.0 if c == "offload:disk" else 1.0 for c in b.seconds})
+        for b in profile.blocks])
+    peak = rounded_peak(fast, ["offload:disk"] * 4, "keep")
+    accept = 1 - plan_module.HEADROOM
+    roomy = plan_module.solve_within(fast, int((peak + (8 << 20)) / accept) + 1, None)
+    tight = plan_module.solve_within(fast, int(peak / accept) + 1, None)
+    some = plan_module.solve_within(fast, int((peak + (1 << 20)) / accept) + 1, None)
+    assert roomy.choices == tight.choices == some.choices == ["offload:disk"] * 4
+    assert roomy.in_flight == SharedOffload.MAX_IN_FLIGHT and roomy.peak <= roomy.budget
+    assert tight.in_flight == SharedOffload.IN_FLIGHT
+    assert SharedOffload.IN_FLIGHT < some.in_flight < SharedOffload.MAX_IN_FLIGHT
+    assert some.peak - tight.peak == some.in_flight - SharedOffload.IN_FLIGHT  # the extra is in the prediction
+    assert "copies out in flight: up to" in str(roomy) and "copies out in flight" not in str(tight)
+    roomy.apply(model)
+    try:
+        (scope,) = {id(block.forward.scope): block.forward.scope for block in model.h}.values()
+        assert scope.session.max_bytes_in_flight == SharedOffload.MAX_IN_FLIGHT
+    finally:
+        acshim.remove_checkpointing(model)
+    # a verification that measured the tight plan below its prediction widens it by the room measured
+    from acshim.planner.profiler import Verification
+
+    measured = plan_module.solve_within(fast, tight.budget, lambda c: Verification(0, 0, c.peak - (2 << 20), 1.0))
+    assert SharedOffload.IN_FLIGHT + (2 << 20) <= measured.in_flight <= SharedOffload.IN_FLIGHT + (2 << 20) + 64
+    assert measured.peak - tight.peak == measured.in_flight - SharedOffload.IN_FLIGHT
+    over = plan_module.solve_within(fast, roomy.budget, lambda c: Verification(0, 0, 0, 1.0))
+    assert over.in_flight == SharedOffload.MAX_IN_FLIGHT  # never beyond the tier's own bound
+    roomy.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").in_flight == SharedOffload.MAX_IN_FLIGHT
+    # a plan that offloads nothing has no schedule: nothing in flight beyond the profiles, whatever the room
+    assert plan_module._extra_in_flight(solver.Solution(["keep"] * 4, 0, 0, 0.0), 1 << 40) == 0
+    assert plan_module._extra_in_flight(solver.Solution(["keep"] * 4, 0, 0, 0.0, "offload:disk+head"), 1 << 40) > 0
