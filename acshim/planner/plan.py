@@ -82,8 +82,9 @@ class Plan:
     forward): ``keep`` or ``offload:TIER``, through the offloaded blocks' schedule."""
     in_flight: int = SharedOffload.IN_FLIGHT
     """Bytes of copies out the offloaded blocks' schedule lets be in flight: the profiles' own
-    (``SharedOffload.IN_FLIGHT``, in ``peak``) and what the budget leaves above the predicted peak, up
-    to ``SharedOffload.MAX_IN_FLIGHT`` (the more in flight, the less forward waits on a slow tier)."""
+    (``SharedOffload.IN_FLIGHT``), plus the room the budget leaves above the predicted peak and then
+    above the verification step's measured peak, up to ``SharedOffload.MAX_IN_FLIGHT`` in all; the
+    extra is in ``peak`` (the more in flight, the less forward waits on a slow tier)."""
 
     # -------------------------------------------------------------------------------- apply
     def apply(self, model: nn.Module) -> list[str]:
