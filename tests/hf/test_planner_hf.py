@@ -74,8 +74,10 @@ def test_plan_chooses_the_chunked_head_for_a_big_vocabulary_and_trains_exactly(l
 
     reference = step(hf_model("llama", vocab_size=vocab))
     model = hf_model("llama", vocab_size=vocab)
-    # the script's slice is copied by reshape: a second logits-sized tensor in its forward
-    plan = acshim.plan(model, batch, budget=0.75 if loss_fn is None else 0.9, loss_fn=loss_fn,
+    # the script's slice is copied by reshape: a second logits-sized tensor in its forward. At these
+    # budgets no plan keeping the part outside the blocks fits (at 0.9 one with every block recomputed
+    # did, and which won hung on timings: CI on a loaded machine saw it chosen)
+    plan = acshim.plan(model, batch, budget=0.75 if loss_fn is None else 0.8, loss_fn=loss_fn,
                        choices=("keep", "recompute"), memory="tensors")  # a tiny model: its tensors, not the process
     assert plan.outside.endswith(("head", "loss")), str(plan)  # acshim.head: logits never all held with their log-softmax
     assert plan.measured_peak <= plan.budget
