@@ -309,6 +309,18 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
     if session is not None and session.mode == "idle":
         session.stop()
         return _run_error(2, _nothing_planned(verb, str(flags.get("budget"))))
+    if session is not None and session.mode == "explore":  # a sharded model, planned on its own steps
+        from .planner.lockstep import EXPLORE_STEPS
+
+        session.stop()
+        ended = (f"acshim {verb}: --budget {flags.get('budget')}: the script ended before its sharded model's plan "
+                 f"was made: it is planned on the script's own steps and needs {EXPLORE_STEPS + 1} training steps "
+                 "(the first ones ran every region recomputed)")
+        if verb == "plan":
+            return _run_error(2, ended)
+        from .patching.runner import print_error_line
+
+        print_error_line(ended)
     return 0
 
 

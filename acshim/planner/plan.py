@@ -141,7 +141,12 @@ class Plan:
             data = json.load(file)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{os.fspath(path)} is not an acshim plan (format {FORMAT})")
-        data.pop("format")
+        return cls.from_json(data)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan ``to_json`` gave."""
+        data = {k: v for k, v in data.items() if k != "format"}
         data["profile"] = Profile.from_json(data["profile"])
         return cls(**data)
 

@@ -21,6 +21,9 @@ Then the next steps are timed (``feedback``): a plan measurably slower than pred
 again with the measured costs. A step whose inputs are larger than any planned for is planned again
 before its forward starts (dynamic padding), within the same budget in bytes. ``plan_file``: a plan
 saved by an earlier run of the same model, batch shape and budget is used without profiling.
+
+A model sharded across ranks (FSDP, ZeRO-3: collectives inside every block's hooks) cannot run
+blocks alone, so it is planned on the script's own steps instead (``lockstep``): mode ``explore``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from .choices import (
 )
 from .estimate import step_peak
 from .feedback import StepTimer
+from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
 from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
@@ -149,6 +153,8 @@ class PlanSession:
     _from_file: bool = False
     _fake_peak: int = 0
     """No checkpointing's peak from one step on fake tensors (``estimate``), where it ran."""
+    _lockstep: LockstepPlanner | None = None
+    """A sharded model's planner on its real steps (``lockstep``)."""
 
     # ---------------------------------------------------------------------------------- lifetime
     def start(self, baseline_now: bool = False) -> PlanSession:
@@ -175,6 +181,9 @@ class PlanSession:
         if self._start is not None:
             self._start.stop()
             self._start = None
+        if self._lockstep is not None:
+            self._lockstep.stop()
+            self._lockstep = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -194,6 +203,9 @@ class PlanSession:
         self.position += 1
         if self.mode == "plain":  # estimate.forward_peak's fake forward
             return function(*args, **kwargs)
+        if self.mode == "explore":  # a sharded model's step run recomputed, measured (lockstep)
+            self._site(index, function, options).calls += 1
+            return self._lockstep.explore(index, function, args, kwargs)  # type: ignore[union-attr]
         if self.mode == "count":
             site = self._site(index, function, options)
             return self._profiler.count_region(index, function, args, kwargs, site)  # type: ignore[union-attr]
@@ -255,6 +267,9 @@ class PlanSession:
         are larger than any planned for is planned again before it runs (steps without grad, such as
         evaluation, run regions as plain calls and are left alone)."""
         self.position = 0
+        if self._lockstep is not None and torch.is_grad_enabled() and module.training:
+            self._lockstep_step(module, args, kwargs)
+            return
         if self.mode != "planned" or not torch.is_grad_enabled() or not module.training:
             return
         shapes = input_shapes(args, kwargs)
@@ -269,14 +284,6 @@ class PlanSession:
         found = model_on_stack()
         self.world = world_size()
         sharded = sharded_by(found[0] if found is not None else None) if self.world > 1 else None
-        if sharded is not None:
-            # FSDP / ZeRO gather parameters and reduce gradients with collectives inside each block's
-            # forward and backward: running blocks alone while profiling would issue them out of step
-            self.stop()
-            raise PlanExit(2, f"acshim run --budget: planning across {self.world} ranks supports replicated models "
-                              f"(DistributedDataParallel, or none); this one is sharded by {sharded}. Plan it on one "
-                              "process (acshim plan --budget ... -- train.py on a single rank) and apply the plan "
-                              "with acshim.Plan.load, or drop --budget")
         if found is None:
             self.stop()
             raise PlanExit(2, "acshim run --budget: the first checkpointed region ran outside any nn.Module's forward, "
@@ -292,6 +299,19 @@ class PlanSession:
         shapes = input_shapes(root_args, root_kwargs)
         if self.plan_file and os.path.exists(self.plan_file):
             self._use_plan_file(root, shapes)
+            if sharded is not None:  # larger inputs later are explored on the script's steps, not profiled
+                self._explore(root, shapes, now=False)
+        elif sharded is not None and self.api:
+            self.stop()
+            raise PlanExit(2, f"acshim.plan: this model is sharded by {sharded} across {self.world} ranks; its blocks "
+                              "gather parameters with collectives, so it is planned on the script's own steps: run "
+                              "the script as torchrun ... -m acshim run --budget B train.py (or plan on one process)")
+        elif sharded is not None:
+            # FSDP / ZeRO gather parameters and reduce gradients with collectives inside each block's
+            # hooks: running blocks alone would issue them out of step, so the plan is made on the
+            # script's own steps (lockstep); this one runs every region recomputed, measured
+            self._explore(root, shapes)
+            return
         else:
             self._plan_on(root, root_args, root_kwargs, shapes)
             if self.plan_file and rank() == 0:
@@ -304,18 +324,81 @@ class PlanSession:
             offload_part = split_outside(self.plan.outside)[0]  # type: ignore[union-attr]
             if offload_part != "keep":
                 _offload_rest_of_forward(root, self._shared[offload_part.partition(":")[2]])
-        lead = rank() == 0 and not self.api  # every rank has the same plan: one rank says it
+        self._announce(self.plan)  # type: ignore[arg-type]
+        if self.feedback and self.world == 1:
+            self._timer = StepTimer(self)
+
+    def _announce(self, plan: Plan) -> None:
+        """The log line (and picture) of a plan just made; after ``acshim plan``, its table, and the
+        run ends here. Every rank has the same plan: rank 0 says it."""
+        lead = rank() == 0 and not self.api
         if lead:
             print(self.summary(), file=sys.stderr, flush=True)
         if lead and self.png and not self.exit_after_plan:
-            print(f"acshim: {write_picture(self.plan, self.png)}", file=sys.stderr, flush=True)
+            print(f"acshim: {write_picture(plan, self.png)}", file=sys.stderr, flush=True)
         if self.exit_after_plan:
             self.stop()
             if lead:
                 print(self.report(), flush=True)
             raise PlanExit(0)
-        if self.feedback and self.world == 1:
-            self._timer = StepTimer(self)
+
+    def _explore(self, root: nn.Module, shapes: list[list[int]], now: bool = True) -> None:
+        """Start planning a sharded model on its real steps: this one runs every region recomputed
+        and is measured; the plan is solved when the next starts (``lockstep``). Not ``now``: a plan
+        from a file runs, and only a step with larger inputs is explored."""
+        memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
+        if device_of(root).type == "cuda":
+            memory = ProcessMemory(device_of(root), enabled=self.memory == "process")
+            self._memory = memory
+        if self._baseline is None:
+            self._baseline = _fresh_baseline(memory)
+        self._planned_shapes = _largest(self._planned_shapes, shapes)
+        self._lockstep = LockstepPlanner(self, root, memory, self._baseline, explore=now)
+        if now:
+            self.mode, self.position = "explore", 0
+
+    def _lockstep_step(self, root: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """A sharded model's step starts (every rank at once): take the plan the measured steps gave;
+        a step with larger inputs than any planned for (on any rank) is explored again."""
+        lockstep = self._lockstep
+        assert lockstep is not None
+        shapes = input_shapes(args, kwargs)
+        first = self.plan is None
+        try:
+            plan = lockstep.step_started()
+        except ValueError as error:
+            self.stop()
+            if self.api:
+                raise
+            raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}") from None
+        if plan is not None:
+            plan.profile.inputs = self._planned_shapes
+            self.plan, self.mode = plan, "planned"
+            self._budget_bytes = plan.budget
+            self._use_schedules(plan)
+        if self.mode == "explore":
+            self._planned_shapes = _largest(self._planned_shapes, shapes)
+        elif agree_bytes(int(_larger(shapes, self._planned_shapes)), device_of(root)):
+            self._planned_shapes = _largest(self._planned_shapes, shapes)
+            lockstep.explore_again()
+            self.mode = "explore"
+            if rank() == 0 and not self.api:
+                print(f"acshim: --budget {format_bytes(self.plan.budget)}: a rank's step inputs {shapes} are "  # type: ignore[union-attr]
+                      "larger than those planned for: this step runs every region recomputed and is measured, "
+                      "to plan again for the next", file=sys.stderr, flush=True)
+            return
+        if plan is None or lockstep.verifications:  # none, or solved again after a verification step
+            return
+        lead = rank() == 0 and not self.api
+        if self.plan_file and lead:
+            plan.save(self.plan_file)
+        if not first:  # after a step with larger inputs
+            self.replans += 1
+            if lead:
+                print(f"acshim: --budget {format_bytes(plan.budget)}: planned again for inputs {self._planned_shapes}: "
+                      f"{self.summary(brief=True)}", file=sys.stderr, flush=True)
+            return
+        self._announce(plan)
 
     def _plan_on(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]]
                  ) -> None:

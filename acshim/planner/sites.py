@@ -60,6 +60,18 @@ def model_on_stack() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | None
     return found
 
 
+def outermost_module_on_stack() -> nn.Module | None:
+    """The outermost ``nn.Module`` call on this thread's stack, wrappers included (a DeepSpeed
+    engine, FSDP, DDP): where a training step's forward starts as the script sees it."""
+    frame: types.FrameType | None = sys._getframe(1)
+    found = None
+    while frame is not None:
+        if frame.f_code in _CALL_CODES and isinstance(module := frame.f_locals.get("self"), nn.Module):
+            found = module
+        frame = frame.f_back
+    return found
+
+
 _ENGINE_MODULES = ("acshim.region", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
                    "acshim.wrap", "acshim.structures", "torch.", "functools", "contextlib")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import acshim
 from acshim import region
@@ -94,24 +95,81 @@ class FullyShardedDataParallel(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
-def test_sharded_model_across_ranks_is_refused_before_anything_is_profiled(session_cleanup, monkeypatch) -> None:
-    """Across ranks, a model sharded by FSDP / ZeRO is refused (its blocks gather parameters with
-    collectives: running them alone would issue those out of step); the script's recipe is kept."""
+def test_acshim_plan_on_a_sharded_model_across_ranks_names_acshim_run(monkeypatch) -> None:
+    """``acshim.plan`` runs blocks alone, which a sharded model cannot do out of its collectives'
+    step: across ranks it is refused naming ``acshim run --budget`` (which plans on the script's
+    steps), the model left as found."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     model = _model()
-    acshim.apply_checkpointing(model)
-    session = PlanSession(0.5, memory="tensors").start()
-    session_cleanup.append(session)
-    with pytest.raises(PlanExit, match="across 2 ranks supports replicated models .* sharded by "
-                                       "FullyShardedDataParallel") as caught:
-        train_step(FullyShardedDataParallel(model), _ids())
-    assert caught.value.code == 2
+    with pytest.raises(ValueError, match=r"sharded by FullyShardedDataParallel across 2 ranks; .* torchrun \.\.\. "
+                                         r"-m acshim run --budget B train.py"):
+        acshim.plan(FullyShardedDataParallel(model), _ids(), budget=0.5, memory="tensors")
     assert region.ROUTERS == []
     assert all(p.grad is None for p in model.parameters())
-    assert acshim.checkpointed_modules(model) == ["h.0", "h.1", "h.2", "h.3"]
+    assert acshim.checkpointed_modules(model) == []
+
+
+def test_saved_counter_counts_what_keeping_a_region_holds_and_changes_no_gradient() -> None:
+    """``lockstep.SavedCounter``, chained to torch checkpoint's hooks in a recomputed region's forward,
+    counts what the same forward saves kept (parameters and the region's input left out, storages
+    freed and reused counted again), and the region's gradients stay bitwise those of a plain call."""
+    import contextlib
+
+    from acshim.measure import storage_key
+    from acshim.options import RegionOptions
+    from acshim.planner.counting import SavedBytes
+    from acshim.planner.lockstep import SavedCounter
+
+    block = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 64))
+    x = torch.randn(128, 64, requires_grad=True)
+    excluded = {storage_key(t)[0] for t in [x, *block.parameters()]}
+    with SavedBytes(excluded) as kept:
+        block(x)
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(block(x).square().sum(), [x, *block.parameters()])
+    counter = SavedCounter({storage_key(x)[0]})
+    torch.manual_seed(0)
+    output = region.run_region_now(block, (x,), {},
+                                   RegionOptions().replace(context_fn=lambda: (counter, contextlib.nullcontext())))
+    assert counter.held(output) == kept.total() > 0
+    got = torch.autograd.grad(output.square().sum(), [x, *block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_step_peak_sees_what_backward_allocates_and_puts_backward_back() -> None:
+    """``lockstep.StepPeak`` measures the rest of the forward and every backward of the step (an
+    allocation inside backward counts) and restores ``torch.autograd.backward`` when finished."""
+    from acshim.planner.lockstep import StepPeak
+    from acshim.planner.process import ProcessMemory, trim
+
+    class Scratch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            scratch = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched, only while backward runs
+            return grad + scratch[:1].float()
+
+    original = torch.autograd.backward
+    model = nn.Linear(8, 8)
+    memory = ProcessMemory()
+    trim()
+    peak = StepPeak(memory, memory.current())
+    x = torch.randn(4, 8)
+    peak.start(model)
+    loss = Scratch.apply(model(x)).sum()
+    assert torch.autograd.backward is not original  # measured from the forward hook on
+    loss.backward()
+    measured = peak.finish()
+    assert torch.autograd.backward is original
+    if memory.available:
+        assert measured >= 60 << 20, measured
 
 
 def test_agreed_profile_takes_every_ranks_largest_number_and_refuses_other_regions(monkeypatch) -> None:

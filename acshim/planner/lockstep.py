@@ -1,0 +1,465 @@
+"""Plan a sharded model (FSDP2, FSDP, a DeepSpeed engine: ZeRO-3) across its real training steps.
+
+FSDP and ZeRO-3 gather each block's parameters and reduce its gradients with collectives in the
+block's own hooks, so a block run alone while profiling (``profiler.RegionProfiler``) would issue
+them on one rank out of step with the others. A sharded model is therefore only ever run by the
+script's own steps, in lock-step on every rank:
+
+1. **Explore**: the step planning starts in, and the next (``EXPLORE_STEPS``), run every region
+   recomputed, the least memory a keep / recompute plan can have. Each region's forward counts what
+   keeping it would hold, and its forward's peak had it been kept (``SavedCounter``: chained to
+   torch checkpoint's own saved-tensor hooks, so nothing more is held), and is timed. The process's
+   memory above the step's start is measured per phase (``StepPeak``: each region's forward, each
+   region's recompute and backward, the rest), after every operator (``process.Guard``, recording
+   only: stopping one rank mid-step would leave the others waiting in a collective) and every
+   millisecond by a thread.
+2. **Solve**: at the next step's start every rank agrees the numbers (each the largest any rank
+   measured, ``agree.agree_profile``); rank 0 solves them with the exact DP (``_profile`` maps the
+   phases onto the solver's peak formula) and broadcasts the plan, so no two ranks can run
+   different plans.
+3. **Verify**: that step runs the plan and is measured the same way; a peak above the accepted share
+   of the budget is solved again with the miss as room left for (all recompute if nothing else
+   fits), for the next step, at most ``retries`` times, and said on stderr.
+
+Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
+memory and time. Limits (docs/cli.md): choices are keep or recompute per region (offload and
+selective-op are measured by running regions alone); the explored steps peak at full recompute's
+peak whatever the budget, and a budget below it is refused after them, naming a budget that plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from .. import structures
+from ..measure import storage_key
+from ..options import RegionOptions
+from ..region import run_region_now
+from .agree import agree_bytes, agree_profile
+from .budget import budget_at_least, format_bytes
+from .plan import HEADROOM, Plan, solve_within
+from .process import Guard, ProcessMemory, trim
+from .profile import BlockProfile, Profile, block_key, model_signature
+from .sites import device_of, outermost_module_on_stack, rank, site_names
+from .solver import BudgetTooSmall, minimum_peak
+
+CHOICES = ["keep", "recompute"]
+
+METHOD = ("measured on the script's own steps, in lock-step on every rank (a sharded model's blocks gather "
+          "and reduce with collectives): two steps ran every region recomputed, counting what each would "
+          "hold kept, with the process's peak per phase; the plan's first step verified it")
+
+EXPLORE_STEPS = 2
+"""Steps run every region recomputed before solving, the largest peak and counts taken: a sharded
+engine's first step is not its steady state (ZeRO-3 records the order its modules run in on the
+first step and prefetches their parameters from the second on: 7 MB more on the test model)."""
+
+BACKWARD_SHARE = 2.0
+"""A region's backward, as a multiple of its forward, in the times the solver compares (only the
+forward a kept region does not repeat differs between plans, so any constant serves)."""
+
+
+PHASE_UNIT = 1 << 20
+"""Phase peaks are rounded up to this: a few pages of noise between runs must not reorder plans
+that differ only in which identical block is kept."""
+
+
+def _rounded(size: int) -> int:
+    return -(-size // PHASE_UNIT) * PHASE_UNIT
+
+
+class SavedCounter:
+    """Counts the storages a region's forward saves for backward that keeping it would hold:
+    neither parameters (FSDP and ZeRO gather and free those themselves) nor its inputs (held as the
+    recomputed region's inputs too). Entered as the forward half of torch checkpoint's
+    ``context_fn``, inside checkpoint's own saved-tensor hooks: each tensor is counted, then handed
+    to checkpoint's pack hook, so the region holds exactly what recompute holds. Written by hand:
+    torch has no hook that sees what a checkpointed forward would have saved."""
+
+    def __init__(self, inputs: set[int], memory: ProcessMemory | None = None, baseline: int = 0) -> None:
+        self.inputs = inputs
+        self.memory, self.baseline = memory, baseline
+        self.kept_peak = 0
+        """With ``memory``: the process's memory above ``baseline`` at each saved tensor, plus the
+        counted storages recompute had freed by then (keeping the region would still hold them):
+        the forward's peak if the region were kept, sampled as it saves."""
+        self._freed = 0
+        self._live: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self.total = 0
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        """Storage id -> (a tensor on it, weakly; its bytes). Nothing is held, so a storage can be
+        freed and its id reused by a later one, which counts anew once the old tensor is gone."""
+        self._hooks: saved_tensors_hooks | None = None
+
+    def __enter__(self) -> SavedCounter:
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:  # not under checkpoint's hooks: nothing is saved for a recompute to rebuild
+            return self
+        pack, unpack = outer
+
+        def counting_pack(tensor: torch.Tensor) -> Any:
+            self._count(tensor)
+            if self.memory is not None:
+                self._sample_kept()
+            return pack(tensor)
+
+        self._hooks = saved_tensors_hooks(counting_pack, unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc_info)
+            self._hooks = None
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return
+        found = storage_key(tensor)
+        if found is None or found[0] in self.inputs:
+            return
+        seen = self._seen.get(found[0])
+        if seen is None or seen[0]() is None:
+            size = found[1].nbytes()
+            self._seen[found[0]] = (weakref.ref(tensor), size)
+            self._live.append((weakref.ref(tensor), size))
+            self.total += size
+
+    def _sample_kept(self) -> None:
+        live = []
+        for ref, size in self._live:
+            if ref() is None:
+                self._freed += size
+            else:
+                live.append((ref, size))
+        self._live = live
+        self.kept_peak = max(self.kept_peak, self.memory.current() - self.baseline + self._freed)  # type: ignore[union-attr]
+
+    def held(self, output: Any) -> int:
+        """Bytes counted, less the region's output where it was saved too (held by whatever uses
+        it, kept or not)."""
+        outputs = {key[0] for leaf in structures.flatten(output)[0] if (key := storage_key(leaf)) is not None}
+        shared = sum(size for key, (ref, size) in self._seen.items() if key in outputs and ref() is not None)
+        self._seen.clear()
+        return self.total - shared
+
+
+class StepPeak:
+    """The process's peak above ``baseline`` during one training step, overall and per phase: a
+    recording ``Guard`` over the rest of the model's forward (from ``start`` to the model's forward
+    hook) and over every ``torch.autograd.backward`` until ``finish`` (``Tensor.backward`` and the
+    engines' backward call it); the optimizer's step is left out (its state is the run's, like the
+    parameters). ``phases``: ``"forward"``, the forward outside the regions; ``"forward:<i>"``,
+    region i's forward; ``"head"``, from the forward's end to the first region's recompute (the loss
+    and the head's backward); and region i's index, from its recompute's start to the next one's or
+    backward's end (region observer events, ``_RegionMarks``)."""
+
+    SAMPLE_SECONDS = 0.001
+    """A thread samples the process's memory this often as well: what a collective's library
+    allocates and frees inside one operator is never there when the operator returns."""
+
+    def __init__(self, memory: ProcessMemory, baseline: int) -> None:
+        self.guard = Guard(memory, baseline, None)
+        self.phases: dict[str | int, int] = {}
+        self._phase: str | int | None = None
+        self._sampled = 0
+        self._sampled_phase = 0
+        self._handle: Any = None
+        self._original: Callable[..., Any] | None = None
+        self._in_forward = False
+        self._done = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, name="acshim-step-peak", daemon=True)
+
+    def _sample(self) -> None:
+        memory, baseline = self.guard.memory, self.guard.baseline
+        while not self._done.wait(self.SAMPLE_SECONDS):
+            if self._phase is None:  # between the backward and the next step: the optimizer's
+                continue
+            used = memory.current() - baseline
+            self._sampled = max(self._sampled, used)
+            self._sampled_phase = max(self._sampled_phase, used)
+
+    def enter_phase(self, phase: str | int | None) -> None:
+        """Close the current phase (its peak recorded) and open ``phase``."""
+        used = self.guard.sample() if self.guard.memory.available else 0
+        if self._phase is not None:
+            peak = max(self.guard.window_peak, self._sampled_phase, used)
+            self.phases[self._phase] = max(self.phases.get(self._phase, 0), peak)
+        self._phase = phase
+        self.guard.window_peak = self._sampled_phase = used
+
+    def start(self, root: nn.Module) -> None:
+        self._sampler.start()
+        self.guard.__enter__()
+        self._in_forward = True
+        self.enter_phase("forward")
+        self._handle = root.register_forward_hook(self._forward_done, always_call=True)
+
+    def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._leave_forward()
+        if self._original is None:
+            self._original = original = torch.autograd.backward
+
+            def measured_backward(*args: Any, **kwargs: Any) -> Any:
+                if self._phase is None:  # a second backward in the step (accumulation)
+                    self.enter_phase("head")
+                with self.guard:
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        self.enter_phase(None)
+
+            torch.autograd.backward = measured_backward
+
+    def _leave_forward(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._in_forward:
+            self._in_forward = False
+            self.enter_phase("head")
+            self.guard.__exit__(None, None, None)
+
+    def finish(self) -> int:
+        """Stop measuring; the peak in bytes."""
+        self._leave_forward()
+        self.enter_phase(None)
+        if self._original is not None:
+            torch.autograd.backward = self._original
+            self._original = None
+        if self._sampler.is_alive():
+            self._done.set()
+            self._sampler.join()
+        return max(0, self.guard.peak, self._sampled, *self.phases.values())
+
+
+class _RegionMarks:
+    """A region observer: its forward opens the step's phase ``"forward:<index>"`` (and its end goes
+    back to ``"forward"``), its recompute the phase ``index``."""
+
+    def __init__(self, index: int, peak: StepPeak) -> None:
+        self.index, self.peak = index, peak
+
+    def forward_start(self, region: Any) -> None:
+        self.peak.enter_phase(f"forward:{self.index}")
+
+    def forward_end(self, region: Any) -> None:
+        self.peak.enter_phase("forward")
+
+    def recompute_start(self, region: Any) -> None:
+        self.peak.enter_phase(self.index)
+
+
+class LockstepPlanner:
+    """Plans ``session``'s sharded model on its real steps (see the module docstring)."""
+
+    def __init__(self, session: Any, root: nn.Module, memory: ProcessMemory, baseline: int,
+                 explore: bool = True) -> None:
+        self.session, self.root, self.memory = session, root, memory
+        self.device = device_of(root)
+        self.saved: dict[int, int] = {}
+        self.seconds: dict[int, float] = {}
+        self.keys: dict[int, Any] = {}
+        """Per region, what identical regions share (``profile.block_key``: class, parameter and
+        input shapes): one time for all of them, so the solver's ties between them are exact."""
+        self.kept_forward: dict[int, int] = {}
+        """Per region, its forward's peak had it been kept (``SavedCounter.kept_peak``)."""
+        self.phase_peaks: dict[str | int, int] = {}
+        """The explored steps' peaks per phase (``StepPeak.phases``), the largest of the steps."""
+        self.measuring: StepPeak | None = StepPeak(memory, baseline) if explore else None
+        self.exploring = explore
+        self.explored = 0
+        self.profile: Profile | None = None
+        self.peaks: list[int] = []
+        """The measured steps' peaks (agreed across ranks): the explored one first, then verifications."""
+        self.verifications = 0
+        self.step_baseline: int | None = None
+        """The process's memory when the latest step's outermost module call started (before a
+        wrapper's own forward work: a DeepSpeed engine gathers and prefetches parameters there)."""
+        outer = outermost_module_on_stack() or root
+        self._outer = outer.register_forward_pre_hook(self._step_starts, prepend=True)
+        if self.measuring is not None:
+            self.measuring.start(root)
+
+    def _step_starts(self, module: nn.Module, args: Any) -> None:
+        # while steps are measured (a step with larger inputs, later, reads it at the model's start)
+        if self.measuring is not None and torch.is_grad_enabled() and module.training:
+            trim()
+            self.step_baseline = self.memory.current()
+
+    # ---------------------------------------------------------------------------------- steps
+    def explore(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> Any:
+        """Run region ``index`` recomputed, counting what it would hold kept and timing its forward."""
+        inputs = {key[0] for leaf in structures.flatten((args, kwargs))[0]
+                  if (key := storage_key(leaf)) is not None}
+        measuring = self.measuring
+        counter = (SavedCounter(inputs, measuring.guard.memory, measuring.guard.baseline) if measuring is not None
+                   else SavedCounter(inputs))
+        options = RegionOptions().replace(context_fn=lambda: (counter, contextlib.nullcontext()),
+                                          observer=_RegionMarks(index, self.measuring))
+        owner = self.session.sites[index].owner if index < len(self.session.sites) else None
+        self.keys.setdefault(index, block_key(owner, args, kwargs) if owner is not None else index)
+        began = time.perf_counter()
+        output = run_region_now(function, args, kwargs, options)
+        elapsed = time.perf_counter() - began  # the least over the explored steps (the first one warms up)
+        self.seconds[index] = min(self.seconds.get(index, elapsed), elapsed)
+        self.saved[index] = max(self.saved.get(index, 0), counter.held(output))
+        self.kept_forward[index] = max(self.kept_forward.get(index, 0), counter.kept_peak)
+        return output
+
+    def step_started(self) -> Plan | None:
+        """At the start of the next training step (every rank at once): after the explored step,
+        the plan every rank runs from now on; after a verification step, a plan solved again if it
+        went over, else None (done measuring)."""
+        if self.measuring is None:
+            return None
+        peak = agree_bytes(self.measuring.finish(), self.device)
+        if self.exploring:
+            for phase, size in self.measuring.phases.items():
+                self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), size)
+        self.measuring = None
+        self.peaks.append(peak)
+        session = self.session
+        if self.exploring:
+            self.explored += 1
+            if self.explored < EXPLORE_STEPS:
+                self._measure_next_step()
+                return None
+            self.exploring = False
+            self.profile = self._profile(max(self.peaks[-self.explored:]))
+            budget = session._budget_bytes if session._budget_bytes is not None else session.budget
+            plan = self._solve_on_rank0(budget, overhead=0)
+        else:
+            plan = session.plan
+            plan.measured_process_peak = peak
+            accept = int(plan.budget * (1 - HEADROOM))
+            if peak <= accept or self.verifications >= session.retries or all(c == "recompute" for c in plan.choices):
+                self._say_verified(plan, peak)
+                return None
+            self.verifications += 1
+            # what the prediction missed becomes room left for, as the single-process planner's overhead
+            missed = max(0, peak - plan.peak)
+            try:
+                plan = self._solve_on_rank0(plan.budget, overhead=missed)
+            except ValueError:  # (every rank alike) none fits with that room: the least there is
+                plan = Plan.from_choices(plan, ["recompute"] * len(plan.choices))
+                plan.overhead = missed
+            plan.notes.append(f"solved again after a step measured {format_bytes(peak)} over the accepted "
+                              f"{format_bytes(accept)}")
+            if rank() == 0 and not session.api:
+                print(f"acshim: --budget {format_bytes(plan.budget)}: the plan's step peaked at {format_bytes(peak)} "
+                      f"(predicted {format_bytes(session.plan.peak + session.plan.overhead)}); solved again with "
+                      f"the error added: {plan.describe()}", file=sys.stderr, flush=True)
+        self._measure_next_step()
+        return plan
+
+    def explore_again(self) -> None:
+        """This step (larger inputs than any planned for) runs every region recomputed and is
+        measured; the next one gets a plan solved on it."""
+        self._drop_measurement()
+        self.saved, self.seconds, self.phase_peaks, self.kept_forward = {}, {}, {}, {}
+        self.exploring, self.explored, self.verifications = True, 0, 0
+        self._measure_next_step()
+
+    def _measure_next_step(self) -> None:
+        baseline = self.step_baseline
+        if baseline is None:
+            trim()
+            baseline = self.memory.current()
+        self.step_baseline = None
+        self.measuring = StepPeak(self.memory, baseline)
+        self.measuring.start(self.root)
+
+    def stop(self) -> None:
+        """Stop measuring and watching the steps (the session ends)."""
+        self._outer.remove()
+        self._drop_measurement()
+
+    def _drop_measurement(self) -> None:
+        if self.measuring is not None:
+            self.measuring.finish()
+            self.measuring = None
+
+    # ---------------------------------------------------------------------------------- solving
+    def _profile(self, peak: int) -> Profile:
+        """The explored steps as the solver's profile (``solver``'s peak formula: while region i
+        runs, forward or backward, the kept regions before it hold what they saved): nothing is held
+        outside the regions beyond what every phase measured; the phases outside the regions (stem,
+        head, loss, the head's backward) are the outside part's transient, with every kept region's
+        bytes held on top; region i's transient is the larger of its forward's and its recompute
+        and backward's phase; kept, the larger of its forward's peak had it been kept
+        (``SavedCounter.kept_peak``) and its backward's phase, less its own saved bytes (held in the
+        prefix since its forward). A phase not seen counts as the step's peak."""
+        session = self.session
+        names = site_names(self.root, session.sites)
+        for name, site in zip(names, session.sites, strict=True):
+            site.name = name
+        session.names = names
+        phases = {phase: _rounded(size) for phase, size in self.phase_peaks.items()}
+        shared: dict[Any, list[float]] = {}
+        for index, key in self.keys.items():
+            shared.setdefault(key, []).append(self.seconds.get(index, 0.0))
+        blocks = []
+        for index, name in enumerate(names):
+            forward = statistics.median(shared.get(self.keys.get(index), [self.seconds.get(index, 0.0)]))
+            saved = self.saved.get(index, 0)
+            ahead, back = phases.get(f"forward:{index}", peak), phases.get(index, peak)
+            kept = max(ahead, _rounded(self.kept_forward.get(index, 0)))  # kept, it holds at least what recomputed did
+            blocks.append(BlockProfile(name=name, held={"keep": saved, "recompute": 0},
+                                       transient={"keep": max(0, max(kept, back) - saved),
+                                                  "recompute": max(ahead, back)},
+                                       seconds={"keep": (1 + BACKWARD_SHARE) * forward,
+                                                "recompute": (2 + BACKWARD_SHARE) * forward},
+                                       saved=saved))
+        outside = max(phases.get("forward", peak), phases.get("head", peak))
+        owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
+        profile = Profile(blocks=blocks, choices=list(CHOICES), other_held=0, other_transient=outside,
+                          other_seconds=0.0, signature=model_signature(self.root, owners),
+                          prefetch=session.prefetch, method=METHOD,
+                          recompute_step={"saved": sum(self.saved.values()), "peak": peak})
+        agreed = agree_profile(profile, self.device)
+        agreed.method += f"; agreed across {dist.get_world_size()} ranks (each number the largest any rank measured)"
+        return agreed
+
+    def _solve_on_rank0(self, budget: Any, overhead: int) -> Plan:
+        """Rank 0 solves, every rank gets its plan (or its error, raised on every rank alike)."""
+        payload: list[Any] = [None]
+        if rank() == 0:
+            try:
+                payload[0] = solve_within(self.profile, budget, None, overhead=overhead).to_json()  # type: ignore[arg-type]
+            except BudgetTooSmall as error:
+                payload[0] = {"error": self._too_small(error)}
+            except ValueError as error:
+                payload[0] = {"error": str(error)}
+        dist.broadcast_object_list(payload, src=0)
+        data = payload[0]
+        if "error" in data:
+            raise ValueError(data["error"])
+        return Plan.from_json(data)
+
+    def _too_small(self, error: BudgetTooSmall) -> str:
+        least = minimum_peak(self.profile) if self.profile is not None else error.minimum
+        return (f"budget {format_bytes(error.budget)} is below what the model's step needs with every region "
+                f"recomputed: {format_bytes(least)} above the step's start on the largest rank, as its explored "
+                f"steps ran (keep and recompute are the choices a sharded model is planned with); pass --budget "
+                f"{budget_at_least(error.suggested)} or more")
+
+    def _say_verified(self, plan: Plan, peak: int) -> None:
+        if rank() == 0 and not self.session.api:
+            within = "within" if peak <= plan.budget else "OVER"
+            print(f"acshim: --budget {format_bytes(plan.budget)}: the plan's step peaked at {format_bytes(peak)} "
+                  f"({peak / plan.budget:.2f} of the budget, {within} it) on the largest rank",
+                  file=sys.stderr, flush=True)

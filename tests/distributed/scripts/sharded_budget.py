@@ -1,0 +1,174 @@
+"""A sharded training script, run by tests/distributed as
+``torchrun ... -m acshim run --budget B sharded_budget.py --engine fsdp2|zero3 [--rows R,R,...]``:
+the same steps (dropout on, one batch per entry of ``--rows``) without checkpointing and then with
+it, on the same engine: FSDP2 (``fully_shard`` per block and on the root, torch's
+``checkpoint_wrapper`` on the blocks) or a DeepSpeed engine at ZeRO-3 (``deepspeed.checkpointing.
+checkpoint`` in the model's forward). Every rank prints ``RESULT {json}``: whether the full weights
+are bitwise equal, the plan, and each checkpointed step's peak as the kernel saw it (``VmHWM``
+reset before the step, above the resident set at its start; the optimizer's step excluded), and
+those of the run without checkpointing (``none``)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from ddp_budget import Block  # this folder is the script's: sys.path[0]
+from torch import nn
+
+WIDTH = 256
+
+
+class Net(nn.Module):
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(4))
+        self.head = nn.Linear(WIDTH, 1)
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            if self.checkpoint == "deepspeed":
+                import deepspeed
+
+                x = deepspeed.checkpointing.checkpoint(block, x)
+            else:
+                x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _step_start() -> int:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as refs:  # the high-water mark restarts from the resident set
+        refs.write("5")
+    return _kib("VmRSS")
+
+
+def fsdp2(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net("module")
+    if checkpointed:
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper),
+                                       check_fn=lambda module: isinstance(module, Block))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def backward_and_step(loss: torch.Tensor, measure: list[int] | None, start: int) -> None:
+        loss.backward()
+        if measure is not None:
+            measure.append(_kib("VmHWM") - start)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, model, backward_and_step
+
+
+def fsdp2_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def zero3(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]]:
+    import deepspeed
+
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3}}
+    torch.manual_seed(0)
+    model = Net("deepspeed" if checkpointed else "none")
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    if checkpointed:
+        deepspeed.checkpointing.configure(None, deepspeed_config=config)
+
+    def backward_and_step(loss: torch.Tensor, measure: list[int] | None, start: int) -> None:
+        engine.backward(loss)
+        if measure is not None:
+            measure.append(_kib("VmHWM") - start)
+        engine.step()
+
+    return engine, engine.module, backward_and_step
+
+
+def zero3_weights(model: nn.Module) -> list[torch.Tensor]:
+    import deepspeed
+
+    parameters = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(parameters):
+        return [p.detach().clone() for p in parameters]
+
+
+def train(engine: str, checkpointed: bool, rows: list[int], peaks: list[int] | None) -> list[torch.Tensor]:
+    """The steps; the full weights after them."""
+    runner, module, backward_and_step = (fsdp2 if engine == "fsdp2" else zero3)(checkpointed)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randn(count, WIDTH, generator=generator) for count in rows]
+    torch.manual_seed(1000 + dist.get_rank())
+    for batch in batches:
+        start = _step_start()
+        backward_and_step(runner(batch), peaks, start)
+    weights = (fsdp2_weights if engine == "fsdp2" else zero3_weights)(module)
+    if engine == "zero3":
+        runner.destroy()
+    return weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=("fsdp2", "zero3"), required=True)
+    parser.add_argument("--rows", default="2048,2048,2048,2048")
+    args = parser.parse_args()
+    if args.engine == "zero3":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rows = [int(count) for count in args.rows.split(",")]
+    import acshim
+
+    sessions = list(acshim.region.ROUTERS)
+    for session in sessions:  # the run without checkpointing goes unplanned
+        acshim.region.ROUTERS.remove(session)
+    none: list[int] = []
+    reference = train(args.engine, False, rows, none)
+    acshim.region.ROUTERS.extend(sessions)
+    peaks: list[int] = []
+    weights = train(args.engine, True, rows, peaks)
+    result = {"rank": dist.get_rank(), "equal": all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True)),
+              "finite": all(bool(w.isfinite().all()) for w in weights), "peaks": peaks, "none": none}
+    if sessions and sessions[0].plan is not None:
+        session = sessions[0]
+        result.update(choices=session.plan.choices, budget=session.plan.budget, reference=session.plan.reference_peak,
+                      measured=session._lockstep.peaks if session._lockstep else None, replans=session.replans)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    from acshim.exit_settle import settle_collective_threads
+
+    settle_collective_threads()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``acshim.planner.lockstep`` on one process, its collectives stood in for by a rank's own numbers
+(tests/distributed runs it on 2 real gloo ranks, FSDP2 and ZeRO-3): a sharded model is planned on
+the script's own steps, two explored and one verified, every step's gradients bitwise equal to no
+checkpointing; a verification over the budget is solved again with the error as room."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import acshim
+from acshim import region
+from acshim.planner import lockstep
+from acshim.planner import session as session_module
+from acshim.planner.session import PlanSession
+from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
+
+
+def _model() -> GPT:
+    return seeded(lambda: GPT(layers=4, width=128, heads=4, seq=256, vocab=128))
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture
+def one_rank_as_sharded(monkeypatch):
+    """The session takes the model for a sharded one across 2 ranks; agreeing and broadcasting
+    leave this rank's numbers as they are."""
+    monkeypatch.setattr(session_module, "world_size", lambda: 2)
+    monkeypatch.setattr(session_module, "sharded_by", lambda root: "a stand-in")
+    monkeypatch.setattr(session_module, "agree_bytes", lambda value, device: value)
+    monkeypatch.setattr(lockstep, "agree_bytes", lambda value, device: value)
+    monkeypatch.setattr(lockstep, "agree_profile", lambda profile, device: profile)
+    monkeypatch.setattr(lockstep.dist, "broadcast_object_list", lambda objects, src=0: None)
+    monkeypatch.setattr(lockstep.dist, "get_world_size", lambda group=None: 2)
+    sessions: list[PlanSession] = []
+    yield sessions
+    for session in sessions:
+        session.stop()
+    assert region.ROUTERS == []
+
+
+def test_sharded_model_is_planned_on_its_own_steps_bitwise(one_rank_as_sharded, capsys) -> None:
+    expected = train_step(_model(), _ids(), seed=5)
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession(0.8).start()
+    one_rank_as_sharded.append(session)
+    original_backward = torch.autograd.backward
+    for step in range(4):
+        assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
+        if step < 1:
+            assert session.mode == "explore" and session.plan is None
+            assert torch.autograd.backward is not original_backward  # measured, forward and backward
+    plan = session.plan
+    assert plan is not None and session.mode == "planned"
+    assert set(plan.choices) == {"keep", "recompute"}, plan.choices  # some blocks kept, some not
+    assert len(session._lockstep.peaks) == 3  # two explored steps, one verified
+    assert plan.measured_process_peak is not None and plan.measured_process_peak <= plan.budget
+    assert torch.autograd.backward is original_backward  # done measuring
+    # no checkpointing's peak as predicted from the explored steps is close to the one measured
+    log = capsys.readouterr().err
+    assert "replaced 4 region(s) (4 acshim: recompute) by the plan" in log
+    assert "the plan's step peaked at" in log and "within it" in log
+
+
+def test_a_verified_step_over_the_budget_is_solved_again_with_the_error_as_room(one_rank_as_sharded,
+                                                                              monkeypatch, capsys) -> None:
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession(0.8).start()
+    one_rank_as_sharded.append(session)
+    for _ in range(lockstep.EXPLORE_STEPS + 1):  # explored, then the plan's first step
+        train_step(model, _ids(), seed=5)
+    first = session.plan
+    finish = lockstep.StepPeak.finish
+
+    def over_budget(self: lockstep.StepPeak) -> int:  # the plan's first step measured 1 MiB over the budget
+        finish(self)
+        return first.budget + (1 << 20)
+
+    monkeypatch.setattr(lockstep.StepPeak, "finish", over_budget)
+    kept = first.choices.count("keep")
+    assert kept >= 1, first.choices
+    train_step(model, _ids(), seed=5)  # solved again before it ran
+    monkeypatch.setattr(lockstep.StepPeak, "finish", finish)
+    again = session.plan
+    assert again is not first and again.choices.count("keep") < kept, (first.choices, again.choices)
+    assert again.overhead == first.budget + (1 << 20) - first.peak  # what the prediction missed
+    assert any("solved again after a step measured" in note for note in again.notes)
+    assert "solved again with the error added" in capsys.readouterr().err
+
+
+def test_a_budget_below_full_recompute_is_refused_after_the_explored_steps(one_rank_as_sharded) -> None:
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession("1MiB").start()
+    one_rank_as_sharded.append(session)
+    for _ in range(lockstep.EXPLORE_STEPS):
+        train_step(model, _ids(), seed=5)
+    with pytest.raises(session_module.PlanExit, match=r"below what the model's step needs with every region "
+                                                      r"recomputed: .* pass --budget [\d.]+MiB or more") as caught:
+        train_step(model, _ids(), seed=5)
+    assert caught.value.code == 2
+    assert region.ROUTERS == []
