@@ -24,6 +24,9 @@ dropout; ``--model gpt``: acshim.testing.GPT of that shape; random weights, noth
 benchmark starts and kills by pid (bounded by ``--busy-seconds`` in any case); ``idle`` / ``busy``
 one of them. Output: paste-ready markdown tables.
 
+``--sharded fsdp2|zero3``: the sharded row, ``acshim run --budget`` across 2 gloo ranks
+(benchmarks/bench_sharded.py, which it runs).
+
 ``--sweep``: the 10 budgets of one plan's ``frontier()``, each planned with ``reuse=`` (no new
 profiling), applied, measured (peak by the tracker) and timed beside the baselines; checks every
 point within its budget, step time monotone in budget (``--tolerance``) and the frontier at or below
@@ -90,6 +93,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     mode.add_argument("--sweep", action="store_true", help="measure every point of one plan's frontier()")
     mode.add_argument("--compile", action="store_true",
                       help="under torch.compile, beside torch's activation_memory_budget")
+    parser.add_argument("--sharded", choices=("fsdp2", "zero3"), default=None,
+                        help="the sharded row: acshim run --budget on HF GPT-2 across 2 gloo ranks beside none and "
+                             "full recompute on the same engine (runs benchmarks/bench_sharded.py)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="relative step-time noise allowed by --sweep's checks (default 0.05)")
     parser.add_argument("--torch-budgets", default="0.5,0.25,0.1",
@@ -620,6 +626,14 @@ def main(argv: list[str]) -> None:
         return
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    if args.sharded:  # ranks are processes: benchmarks/bench_sharded.py runs each configuration under torchrun
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_sharded
+
+        bench_sharded.main(["--engine", args.sharded, "--load", args.load])
+        return
     if args.compile:
         from pathlib import Path
 
