@@ -46,30 +46,32 @@ class RegionSite:
 _CALL_CODES = {nn.Module._call_impl.__code__, getattr(nn.Module, "_wrapped_call_impl", nn.Module._call_impl).__code__}
 
 
+def _module_calls() -> list[types.FrameType]:
+    """The frames of this thread's ``nn.Module`` calls, innermost first."""
+    frame: types.FrameType | None = sys._getframe(2)
+    calls = []
+    while frame is not None:
+        if frame.f_code in _CALL_CODES and isinstance(frame.f_locals.get("self"), nn.Module):
+            calls.append(frame)
+        frame = frame.f_back
+    return calls
+
+
 def model_on_stack() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | None:
     """The outermost ``nn.Module`` call on this thread's stack that is not a data-parallel wrapper,
     with the arguments it was called with."""
-    frame: types.FrameType | None = sys._getframe(1)
-    found = None
-    while frame is not None:
-        if frame.f_code in _CALL_CODES:
-            module = frame.f_locals.get("self")
-            if isinstance(module, nn.Module) and type(module).__name__ not in _WRAPPERS:
-                found = (module, tuple(frame.f_locals.get("args", ())), dict(frame.f_locals.get("kwargs", {})))
-        frame = frame.f_back
-    return found
+    for frame in reversed(_module_calls()):
+        module = frame.f_locals["self"]
+        if type(module).__name__ not in _WRAPPERS:
+            return module, tuple(frame.f_locals.get("args", ())), dict(frame.f_locals.get("kwargs", {}))
+    return None
 
 
 def outermost_module_on_stack() -> nn.Module | None:
     """The outermost ``nn.Module`` call on this thread's stack, wrappers included (a DeepSpeed
     engine, FSDP, DDP): where a training step's forward starts as the script sees it."""
-    frame: types.FrameType | None = sys._getframe(1)
-    found = None
-    while frame is not None:
-        if frame.f_code in _CALL_CODES and isinstance(module := frame.f_locals.get("self"), nn.Module):
-            found = module
-        frame = frame.f_back
-    return found
+    calls = _module_calls()
+    return calls[-1].f_locals["self"] if calls else None
 
 
 _ENGINE_MODULES = ("acshim.region", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",

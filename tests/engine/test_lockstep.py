@@ -60,7 +60,6 @@ def test_sharded_model_is_planned_on_its_own_steps_bitwise(one_rank_as_sharded, 
     assert len(session._lockstep.peaks) == 3  # two explored steps, one verified
     assert plan.measured_process_peak is not None and plan.measured_process_peak <= plan.budget
     assert torch.autograd.backward is original_backward  # done measuring
-    # no checkpointing's peak as predicted from the explored steps is close to the one measured
     log = capsys.readouterr().err
     assert "replaced 4 region(s) (4 acshim: recompute) by the plan" in log
     assert "the plan's step peaked at" in log and "within it" in log
