@@ -691,7 +691,7 @@ def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int
     """Measure the choices ``profiler`` deferred that a plan within reach could use: solve on their
     lower bounds (``RegionProfiler.optimistic``) at the first target ``solve_within`` will try and
     at ``REACH`` of it; each deferred choice the fastest solution takes is measured and the solve
-    repeated (the least-peak tie-break among plans within noise is left to the measured choices).
+    repeated.
     A budget no plan meets measures them all (the least achievable peak is then exact). Those left
     stay out of this profile (``Profile.unmeasured``)."""
     target = int(limit * (1 - HEADROOM)) - profiler.used()

@@ -24,12 +24,15 @@ Risk. Measured times carry noise, and offloading's time depends on a storage tie
 that share the cores with compute. Its estimate is already the busy machine's (costs.py: its copies'
 processor time charged in full); the solver's objective adds a premium of ``RISK`` of a block's
 computing time per offloaded block (and an offloaded outside part), enough to prefer computing over
-moving data where the two are predicted equal. Among the plans whose objective is within ``NOISE`` of
-the best, it takes the one with the least predicted peak (more room under the budget; a
-deterministic pick among plans noise cannot tell apart, so the same profile up to noise gives the
-same plan). (An earlier rule, "an offloading plan gives way to the best one that does not within
-``NOISE``", stacked with the premium and the pessimistic estimate: on HF GPT-2 8x512 at 0.47 it took
-recompute and selective at 1.28x of no checkpointing where disk offload alone ran at 1.14x.)
+moving data where the two are predicted equal. The solver takes the least objective, in whole
+microseconds (exact sums, so equal predictions tie exactly), and puts identical blocks' choices in
+one order (``canonical``). Where the plan lies is then fixed by the budget against measured bytes,
+which load barely moves. (An earlier rule, "the least peak among plans within 3% of the best",
+picked a plan at the edge of that band, where a 1% change in one measured time moved it: on HF
+GPT-2 and Llama 8x512 the plans differed idle and busy at 0.47 and 0.35 of no checkpointing, and
+between two idle runs; solved on the same profiles, the fastest plan did not. Before that, "an
+offloading plan gives way to the best one that does not within 3%" took recompute and selective at
+1.28x of no checkpointing where disk offload alone ran at 1.14x.)
 Exact ties go to the choice listed first (keep, selective, recompute before offload).
 
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
@@ -56,7 +59,7 @@ UNITS = 4096
 RISK = 0.01
 """Premium, as a share of a block's computing time, charged for offloading it (see the docstring)."""
 NOISE = 0.03
-"""Plans predicted within this share of the best are told apart by risk, not time (module docstring)."""
+"""A chunked head predicted faster by less than this share is not taken (``solve``)."""
 
 
 @dataclass
@@ -175,7 +178,10 @@ def _objective(profile: Profile, choices: list[str]) -> np.ndarray:
         computing = [block.seconds[c] for c in choices if not is_offload(c) and feasible(block, c)]
         premium = RISK * (min(computing) if computing else min(block.seconds[c] for c in choices))
         rows.append([block.seconds[c] + (premium if "offload" in c else 0.0) for c in choices])
-    return np.array(rows)
+    # Whole microseconds: their sums are exact in float64 whatever the order, so assignments that
+    # differ only in which identical block takes which choice tie exactly and the first one found wins
+    # (with fractional seconds, rounding in the sums picked one at random, run to run).
+    return np.round(np.array(rows) * 1e6)
 
 
 def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[str] | None = None
@@ -258,8 +264,8 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
         names = [choices[i] for i in picked]
         found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
                          profile.seconds_of(names, outside), outside)
-        objective = float(table[np.arange(len(names)), picked].sum()) + profile.other(outside)[2] \
-            + (RISK * profile.other("keep")[2] if is_offload(outside) else 0.0)
+        objective = float(table[np.arange(len(names)), picked].sum()) + float(np.round(1e6 * (
+            profile.other(outside)[2] + (RISK * profile.other("keep")[2] if is_offload(outside) else 0.0))))
         if best is None or objective < best[0]:
             best = (objective, found)
     return best
@@ -271,43 +277,54 @@ def fastest(profile: Profile, budget: int) -> Solution | None:
     return found[1] if found is not None else None
 
 
-def _least_peak_within_noise(profile: Profile, budget: int, choices: list[str], outsides: list[str]
-                             ) -> Solution | None:
-    """Among assignments fitting ``budget`` whose objective is within ``NOISE`` of the least, the one
-    the least budget still allows (bisection on the budget: the least objective never rises with it)."""
-    each = [(found, outside) for outside in outsides if (found := _best(profile, budget, choices, [outside]))]
-    if not each:
-        return None
-    best = min(each, key=lambda pair: pair[0][0])[0]  # the first listed on equal objective, as _best
-    allowed = best[0] * (1 + NOISE)
-    outsides = [outside for found, outside in each if found[0] <= allowed]  # the others stay out at any budget
-    low, high = minimum_peak(profile), budget
-    step = max(unit_of(profile), budget // 256)
-    while high - low > step:
-        middle = (low + high) // 2
-        found = _best(profile, middle, choices, outsides)
-        if found is not None and found[0] <= allowed:
-            high = middle
-        else:
-            low = middle + 1
-    found = _best(profile, high, choices, outsides)
-    return found[1] if found is not None and found[0] <= allowed else best[1]
+def _fastest_fitting(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> Solution | None:
+    """The least-objective assignment fitting ``budget``, identical blocks in ``canonical`` order."""
+    found = _best(profile, budget, choices, outsides)
+    return canonical(profile, found[1], budget) if found is not None else None
+
+
+def canonical(profile: Profile, found: Solution, budget: int) -> Solution:
+    """``found`` with the choices of identical blocks (equal measurements: the same predicted time
+    wherever each goes) in one order: least held bytes first, or most first, whichever peaks less
+    within ``budget``. Which identical block keeps and which offloads changes no predicted time, only
+    the peak a little; without one order, plans with equal predictions differed run to run in that."""
+    classes: dict[str, list[int]] = {}
+    for index, block in enumerate(profile.blocks):
+        key = repr((sorted(block.held.items()), sorted(block.transient.items()), sorted(block.seconds.items()),
+                    sorted(block.window.items())))
+        classes.setdefault(key, []).append(index)
+    rank = {choice: index for index, choice in enumerate(profile.choices)}
+    orders = []
+    for descending in (False, True):
+        choices = list(found.choices)
+        for positions in classes.values():
+            block = profile.blocks[positions[0]]
+            ranked = sorted((choices[i] for i in positions), reverse=descending,
+                            key=lambda c, b=block: (b.held[c], b.transient[c], -rank[c] if descending else rank[c]))
+            for index, choice in zip(positions, ranked, strict=True):
+                choices[index] = choice
+        orders.append((rounded_peak(profile, choices, found.outside), descending, choices))
+    peak, _, choices = min(orders)
+    if peak > budget or choices == found.choices:
+        return found
+    return Solution(choices, profile.held_of(choices, found.outside), peak, profile.seconds_of(choices, found.outside),
+                    found.outside)
 
 
 def solve(profile: Profile, budget: int) -> Solution:
     """The fastest assignment (blocks and the part outside them) whose predicted peak is at most
     ``budget`` bytes (``BudgetTooSmall`` naming the least achievable peak otherwise), offloading
-    charged its risk, the least peak among plans within ``NOISE`` (module docstring). On equal time
-    the outside part is kept (it is listed first)."""
+    charged its risk, identical blocks in ``canonical`` order (module docstring). On equal time the
+    outside part is kept (it is listed first)."""
     outsides = profile.outside_choices()
-    best = _least_peak_within_noise(profile, budget, profile.choices, outsides)
+    best = _fastest_fitting(profile, budget, profile.choices, outsides)
     if best is None:
         raise BudgetTooSmall(budget, minimum_peak(profile))
     if split_outside(best.outside)[1] is not None:
         # The chunked head (acshim.head) recomputes in backward: taken when it is needed to fit or
-        # faster beyond noise, never by the least-peak tie-break (idle and busy runs would differ).
+        # faster beyond noise (a prediction within NOISE of the plain head's is no reason to take it).
         plain = [o for o in outsides if split_outside(o)[1] is None]
-        without = _least_peak_within_noise(profile, budget, profile.choices, plain) if plain else None
+        without = _fastest_fitting(profile, budget, profile.choices, plain) if plain else None
         if without is not None and without.seconds <= best.seconds * (1 + NOISE):
             best = without
     return best

@@ -159,10 +159,10 @@ def test_budget_below_the_least_peak_names_what_dominates_and_its_suggestion_pla
 
 def test_the_same_plan_idle_and_with_a_core_kept_busy(tmp_path: Path) -> None:
     """Issue 17 item 2: the same model, batch and budget give the same plan in two processes, the
-    second with another process keeping a core busy throughout (started and killed here, by pid), or
-    two plans whose predicted times are within the solver's noise band of each other (a plan at the
-    band's edge; --plan-file makes a run exactly reproducible). (Before this change: '6 offload:disk'
-    under load against '5 recompute+offload:disk, 1 keep', 0.15x against 0.29x of no checkpointing.)"""
+    second with another process keeping a core busy throughout (started and killed here, by pid).
+    (Before: '6 offload:disk' under load against '5 recompute+offload:disk, 1 keep', 0.15x against
+    0.29x of no checkpointing; then, with the least peak among plans within 3% of the fastest, plans
+    at that band's edge that differed in one block.)"""
     plans = []
     for busy in (False, True):
         loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -176,13 +176,4 @@ def test_the_same_plan_idle_and_with_a_core_kept_busy(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-3000:]
         saved = json.loads((tmp_path / f"plan{busy}.json").read_text())
         plans.append((saved["choices"], saved["outside"]))
-    if plans[0] != plans[1]:
-        # two plans the solver cannot tell apart: on the idle run's own profile their predicted
-        # times are within its noise band and both fit the budget (a pick at the band's edge)
-        from acshim.planner import Plan, solver
-
-        idle = Plan.load(str(tmp_path / "planFalse.json"))
-        times = [idle.profile.seconds_of(choices, outside) for choices, outside in plans]
-        peaks = [solver.rounded_peak(idle.profile, choices, outside) for choices, outside in plans]
-        assert max(times) <= min(times) * (1 + solver.NOISE), (plans, times)
-        assert max(peaks) <= idle.budget, (plans, peaks)
+    assert plans[0] == plans[1], plans
