@@ -24,7 +24,8 @@ Risk. Measured times carry noise, and offloading's time depends on a storage tie
 that share the cores with compute. Its estimate is already the busy machine's (costs.py: its copies'
 processor time charged in full); the solver's objective adds a premium of ``RISK`` of a block's
 computing time per offloaded block (and an offloaded outside part), enough to prefer computing over
-moving data where the two are predicted equal. The solver takes the least objective, in whole
+moving data where the two are predicted equal; no choice counts as faster than keep (each does keep's
+work and more: measured faster is noise). The solver takes the least objective, in whole
 microseconds (exact sums, so equal predictions tie exactly), and puts identical blocks' choices in
 one order (``canonical``). Where the plan lies is then fixed by the budget against measured bytes,
 which load barely moves. (An earlier rule, "the least peak among plans within 3% of the best",
