@@ -286,15 +286,11 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
     return best
 
 
-def fastest(profile: Profile, budget: int) -> Solution | None:
-    """The least-objective assignment fitting ``budget`` (no tie-break on peak), None if none fits."""
-    found = _best(profile, budget, profile.choices, profile.outside_choices())
-    return found[1] if found is not None else None
-
-
-def _fastest_fitting(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> Solution | None:
-    """The least-objective assignment fitting ``budget``, identical blocks in ``canonical`` order."""
-    found = _best(profile, budget, choices, outsides)
+def fastest(profile: Profile, budget: int, outsides: list[str] | None = None) -> Solution | None:
+    """The least-objective assignment fitting ``budget`` (the part outside the blocks as one of
+    ``outsides``, default every measured choice), identical blocks in ``canonical`` order; None if
+    none fits."""
+    found = _best(profile, budget, profile.choices, profile.outside_choices() if outsides is None else outsides)
     return canonical(profile, found[1], budget) if found is not None else None
 
 
@@ -332,14 +328,14 @@ def solve(profile: Profile, budget: int) -> Solution:
     charged its risk, identical blocks in ``canonical`` order (module docstring). On equal time the
     outside part is kept (it is listed first)."""
     outsides = profile.outside_choices()
-    best = _fastest_fitting(profile, budget, profile.choices, outsides)
+    best = fastest(profile, budget, outsides)
     if best is None:
         raise BudgetTooSmall(budget, minimum_peak(profile))
     if split_outside(best.outside)[1] is not None:
         # The chunked head (acshim.head) recomputes in backward: taken when it is needed to fit or
         # faster beyond noise (a prediction within NOISE of the plain head's is no reason to take it).
         plain = [o for o in outsides if split_outside(o)[1] is None]
-        without = _fastest_fitting(profile, budget, profile.choices, plain) if plain else None
+        without = fastest(profile, budget, plain) if plain else None
         if without is not None and without.seconds <= best.seconds * (1 + NOISE):
             best = without
     return best
