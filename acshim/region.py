@@ -24,7 +24,18 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import compiled, region_aliases, region_buffers, region_graph, region_state, rng, selective, structures
+from . import (
+    compiled,
+    region_aliases,
+    region_buffers,
+    region_escapes,
+    region_graph,
+    region_reads,
+    region_state,
+    rng,
+    selective,
+    structures,
+)
 from .options import DEFAULT_OPTIONS, RegionOptions
 from .region_modules import region_modules
 from .state import _flag, disable_checkpointing, enable_checkpointing, enable_recomputing, state
@@ -124,6 +135,7 @@ class _RegionCall:
         self.tracker_states = rng.capture_tracker_states() if options.preserve_rng_state else []
 
         self.buffer_changes: list[region_buffers.Change] | None = None
+        self.reads: region_reads.Reads | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -131,12 +143,16 @@ class _RegionCall:
         if self.calls == 1:
             STATS.forward(self.function)
             _notify(observer, "forward_start", self.function)
-            modules = region_modules(self.function, args, kwargs)
+            referenced: dict[int, torch.Tensor] = {}
+            modules = region_modules(self.function, args, kwargs, referenced)
             with region_buffers.watching(modules) as buffers, enable_checkpointing():
                 output = self.function(*args, **kwargs)
             self.buffer_changes = buffers.changes()
+            self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes,
+                                             referenced.values())
             _notify(observer, "forward_end", self.function)
             return output
+        region_reads.check(self.reads)
         with contextlib.ExitStack() as stack:
             if self.tracker_states:
                 stack.enter_context(rng.restored_tracker_states(self.tracker_states))
@@ -184,7 +200,8 @@ class _ReentrantSpec:
 
     __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "output_positions",
                  "outputs", "changed_inputs", "buffer_changes", "parameter_groups", "plain_leaves",
-                 "device_type", "cpu_rng_state", "devices", "device_states", "tracker_states", "autocast")
+                 "device_type", "cpu_rng_state", "devices", "device_states", "tracker_states", "autocast",
+                 "reads", "escape_positions")
 
     def __init__(self, function: Callable[..., Any], options: RegionOptions, leaves: list[Any],
                  rebuild_inputs: structures.Rebuild, positions: list[int]) -> None:
@@ -208,6 +225,10 @@ class _ReentrantSpec:
         self.devices: list[int] = []
         self.device_states: list[torch.Tensor] = []
         self.tracker_states: list[Any] = []
+        self.reads: region_reads.Reads | None = None
+        self.escape_positions: list[region_escapes.Key] = []
+        """Which module outputs escaped the forward (``region_escapes``): the Function's outputs
+        after ``output_positions``."""
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -226,23 +247,26 @@ class _ReentrantSpec:
             self.tracker_states = rng.capture_tracker_states()
         self.autocast = _autocast_contexts(self.device_type)
 
-    def run_forward(self, tensors: tuple[torch.Tensor, ...], modules: list[torch.nn.Module]
-                    ) -> tuple[Any, int, list[torch.nn.Module]]:
+    def run_forward(self, tensors: tuple[torch.Tensor, ...], modules: list[torch.nn.Module],
+                    referenced: dict[int, torch.Tensor]
+                    ) -> tuple[Any, int, list[torch.nn.Module], region_escapes.ModuleOutputs]:
         """The forward as without checkpointing (grad enabled: the same kernels), keeping no saved
         tensor. Regions nested in it are plain calls (they become regions in the recompute).
-        Returns the output, the first node number of its graph and the modules it ran."""
+        Returns the output, the first node number of its graph, the modules it ran and the
+        tensors its modules returned (``acshim.region_escapes``)."""
         STATS.forward(self.function)
         _notify(self.options.observer, "forward_start", self.function)
         versions = _versions(tensors)
         with region_buffers.watching(modules) as buffers, enable_checkpointing(), disable_checkpointing(), \
-                region_graph.saving_nothing():
+                region_graph.saving_nothing(), region_escapes.watching() as noted:
             since = region_graph.next_node_number()
             output = self.call(tensors)
         self.buffer_changes = buffers.changes()
+        self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes, referenced.values())
         self.changed_inputs = [(i, v) for i, (t, v) in enumerate(zip(tensors, versions))
                                if v >= 0 and t._version != v]
         _notify(self.options.observer, "forward_end", self.function)
-        return output, since, modules or buffers.modules()
+        return output, since, modules or buffers.modules(), noted
 
     def connect(self, outputs: list[torch.Tensor], since: int, tensors: tuple[torch.Tensor, ...],
                 modules: list[torch.nn.Module], referenced: dict[int, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -330,6 +354,7 @@ class _ReentrantRegion(torch.autograd.Function):
             raise RuntimeError(options.grad_error_message or REENTRANT_GRAD_ERROR)
         saved = ctx.saved_tensors
         spec.check_inputs_unchanged(saved)
+        region_reads.check(spec.reads)
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
         # The aliases stay in place through the inner backward: a non-reentrant region nested in
         # this one recomputes there and must read them too.
@@ -351,12 +376,19 @@ class _ReentrantRegion(torch.autograd.Function):
                 stack.enter_context(region_buffers.as_the_forward_saw_them(spec.buffer_changes))
                 STATS.recompute(spec.function)
                 _notify(options.observer, "recompute_start", spec.function)
+                count = len(spec.output_positions)
+                wanted = {p for p, g in zip(spec.escape_positions, grads[count:]) if g is not None}
+                if wanted:
+                    noted = stack.enter_context(region_escapes.watching(wanted))
                 output = spec.call(inputs)
             _notify(options.observer, "recompute_end", spec.function)
 
             leaves, _ = structures.flatten(output)
             pairs = [(leaves[i], g) for i, g in zip(spec.output_positions, grads)
                      if g is not None and leaves[i].requires_grad]
+            if wanted:
+                pairs += _escaped_pairs(noted, spec.escape_positions, grads[count:])
+                del noted
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             _notify(options.observer, "backward_end", spec.function)
@@ -367,9 +399,33 @@ class _ReentrantRegion(torch.autograd.Function):
                 *region_aliases.gradients(plain_records, [uses for _, uses in spec.plain_leaves]))
 
 
+def _escaped_pairs(noted: region_escapes.ModuleOutputs, positions: list[region_escapes.Key],
+                   grads: tuple[torch.Tensor | None, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The recompute's counterparts of the tensors that escaped the forward, with their gradients."""
+    pairs = []
+    for position, grad in zip(positions, grads):
+        if grad is None:
+            continue
+        tensor = noted.at(position)
+        if tensor is None or not tensor.requires_grad or tensor.shape != grad.shape:
+            raise RuntimeError(
+                "acshim: a tensor made inside a reentrant region and kept outside it (by a module hook) "
+                "needs a gradient, but the region's recompute did not make it again the same way: its "
+                "modules returned other tensors than in the forward. Use use_reentrant=False.")
+        pairs.append((tensor, grad))
+    return pairs
+
+
 def _run_reentrant(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RegionOptions
 ) -> Any:
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        # Under a functorch transform (torch.func.grad, vmap, jvp over the region) the region's
+        # autograd.Function cannot run exactly, and torch's reentrant checkpoint, an
+        # autograd.Function too, raises functorch's error: hand the call to it, so the error (or,
+        # in a torch that supports it, the behaviour) is torch's own.
+        bound = functools.partial(function, **kwargs) if kwargs else function
+        return torch_checkpoint.CheckpointFunction.apply(bound, options.preserve_rng_state, *args)
     leaves, rebuild = structures.flatten((args, kwargs))
     positions = structures.tensor_positions(leaves)
     tensors = tuple(leaves[i] for i in positions)
@@ -379,7 +435,8 @@ def _run_reentrant(
     spec = _ReentrantSpec(function, options, opaque, rebuild, positions)
     spec.capture(tensors)
     referenced: dict[int, torch.Tensor] = {}
-    output, since, modules = spec.run_forward(tensors, region_modules(function, args, kwargs, referenced))
+    output, since, modules, noted = spec.run_forward(
+        tensors, region_modules(function, args, kwargs, referenced), referenced)
     out_leaves, rebuild_output = structures.flatten(output)
     del output
     spec.output_positions = [i for i in structures.tensor_positions(out_leaves) if out_leaves[i].requires_grad]
@@ -388,17 +445,24 @@ def _run_reentrant(
         # fairscale PR #787): nothing is kept for backward and nothing recomputed.
         return rebuild_output(out_leaves)
     outputs = [out_leaves[i] for i in spec.output_positions]
+    escaped = noted.escaped(outputs, since)
+    del noted
+    spec.escape_positions = [position for position, _ in escaped]
+    outputs += [tensor for _, tensor in escaped]
+    del escaped
     inputs = spec.connect(outputs, since, tensors, modules, referenced)
-    # Fresh aliases: a tensor that existed before the call (a module constant, an input) would
-    # otherwise be rewired to this node in place and recurse into it during backward.
-    spec.outputs = [o.detach() for o in outputs]
+    # The Function's outputs. A tensor the forward made (no view) is rewired to the Function in
+    # place, so every reference to it (a hook that kept it) follows; any other gets a fresh alias:
+    # a tensor that existed before the call (a module constant, an input) would otherwise be
+    # rewired to this node in place and recurse into it during backward.
+    spec.outputs = [o if region_escapes.made_inside(o, since) else o.detach() for o in outputs]
     del outputs
     # Torch's reentrant checkpoint gives parameters no gradient when no input requires grad; here
     # parameters are inputs. Only outputs that depend on nothing but a closure's non-leaf tensors
     # need an empty leaf that requires grad to keep the region in the graph, as FairScale does.
     dummy = None if any(t.requires_grad for t in inputs) else torch.empty(0, requires_grad=True)
     results = _ReentrantRegion.apply(spec, dummy, *inputs)
-    for position, tensor in zip(spec.output_positions, results):
+    for position, tensor in zip(spec.output_positions, results):  # the escaped ones come after: rewired
         out_leaves[position] = tensor
     return rebuild_output(out_leaves)
 

@@ -61,9 +61,26 @@ class _AliasPerAccess(dict):  # type: ignore[type-arg]
         handed = self.handed.get(name)
         if handed is None:
             return stored
-        alias = stored.detach().requires_grad_(True)
+        alias = new_alias(stored)
         handed.append(alias)
         return alias
+
+
+try:  # torch's own way out of functorch's transforms for the duration of a call (private, guarded)
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack as _outside_transforms
+except ImportError:  # pragma: no cover - a torch without functorch's Python interpreter stack
+    _outside_transforms = None
+
+
+def new_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new leaf sharing ``tensor``'s storage that requires grad. Made outside any functorch
+    transform the recompute is running in (``torch.vmap(m)(x)`` inside a region): an alias is the
+    region's own bookkeeping, an unbatched leaf as the parameter it stands for, and functorch
+    forbids ``requires_grad_`` inside its transforms."""
+    if _outside_transforms is None or torch._C._functorch.peek_interpreter_stack() is None:
+        return tensor.detach().requires_grad_(True)
+    with _outside_transforms():
+        return tensor.detach().requires_grad_(True)
 
 
 def parameter_slots(modules: list[nn.Module]) -> dict[int, Slots]:
@@ -139,7 +156,7 @@ class _AliasPerUse(TorchFunctionMode):
         entry = self.handed.get(id(value))
         if entry is None or entry[0] is not value:
             return value
-        alias = value.detach().requires_grad_(True)
+        alias = new_alias(value)
         entry[1].append(alias)
         return alias
 

@@ -23,6 +23,7 @@ import torch
 
 from ..backends import Backend, TransferFailed, backend_for
 from ..backends.base import Ticket, Tier
+from . import unwind
 from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes, view_layout
 from .reaper import REAPER
@@ -105,7 +106,8 @@ class _Saved:
 class StoredTensor(_Saved):
     """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
 
-    __slots__ = ("backend", "group", "data", "ready", "out", "incoming", "uses", "pending_uses", "__weakref__")
+    __slots__ = ("backend", "group", "data", "ready", "out", "incoming", "uses", "pending_uses", "slot",
+                 "released", "__weakref__")
 
     def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, tensor: torch.Tensor) -> None:
         super().__init__(layout, tensor)
@@ -118,6 +120,21 @@ class StoredTensor(_Saved):
         self.out: Ticket | None = None
         self.incoming: Ticket | None = None
         self.uses = self.pending_uses = 1
+        self.slot: list[tuple[Backend, Ticket, Tier]] = []
+        """The tier space to free, once (``release_slot``): by the reaper when autograd drops the
+        handle, or at once when an exception unwinds its backward (``unwind``)."""
+        self.released = False
+        """Its bytes were released after an unwound backward: unpacking it is torch's freed error."""
+
+
+def release_slot(slot: list[tuple[Backend, Ticket, Tier]]) -> None:
+    """Free a handle's tier space if nobody has yet (``list.pop`` is atomic: the reaper thread and
+    an unwound backward may both try)."""
+    try:
+        backend, ticket, tier = slot.pop()
+    except IndexError:
+        return
+    backend.release(ticket, tier)
 
 
 class StoredView(_Saved):
@@ -156,6 +173,9 @@ class OffloadSession:
         self._last: weakref.ref[StoredTensor] | None = None
         """The most recent handle moving bytes (see ``_already_moving``)."""
         self._lock = threading.RLock()
+        self._handles: weakref.WeakSet[StoredTensor] = weakref.WeakSet()
+        """Every moved tensor's handle still held by a graph (``release_unconsumed``)."""
+        unwind.ensure_installed()
         _notify_recorders(self)
 
     # ---------------------------------------------------------------------------------- forward
@@ -182,6 +202,7 @@ class OffloadSession:
                 return shared
             data, layout = to_bytes(tensor)
             handle = StoredTensor(layout, backend, data, tensor)
+            self._handles.add(handle)
             self._remember(tensor, handle)
             self.stats.moved += 1
             self.stats.moved_bytes += layout.nbytes
@@ -202,7 +223,8 @@ class OffloadSession:
             return
         handle.out = handle.backend.copy_out(handle.data, self.tier, handle.ready)
         handle.data = handle.ready = None
-        REAPER.watch(handle, handle.backend.release, handle.out, self.tier)
+        handle.slot.append((handle.backend, handle.out, self.tier))
+        REAPER.watch(handle, release_slot, handle.slot)
         self.scheduler.sent_out(handle)
         self._writing.append((weakref.ref(handle), handle.backend, handle.out, handle.layout.nbytes))
         self._writing_bytes += handle.layout.nbytes
@@ -300,6 +322,9 @@ class OffloadSession:
         if packed.modified():  # bytes a background copy read may postdate the change: never use them
             raise packed.modified_error()
         handle = packed.owner if type(packed) is StoredView else packed
+        unwind.note(self)
+        if handle.released:
+            raise RuntimeError(unwind.FREED_ERROR)
         with self._lock:
             for due in self.scheduler.due_for_fetch(handle.group):
                 self._fetch(due)
@@ -313,7 +338,31 @@ class OffloadSession:
                 handle.incoming, handle.pending_uses = None, handle.uses
         return from_bytes(data, packed.layout)
 
+    def release_unconsumed(self) -> None:
+        """An exception unwound a backward that read from this scope (``unwind``): free the tier
+        space, prefetched copies and resident bytes of every saved tensor its graph still holds.
+        A copy in flight is waited for first: its slot must not be reused under it."""
+        with self._lock:
+            handles = list(self._handles)
+            for handle in handles:
+                if handle.released:
+                    continue
+                handle.released = True
+                handle.data = handle.ready = None
+                incoming, handle.incoming = handle.incoming, None
+                if incoming is not None:
+                    try:
+                        handle.backend.wait(incoming)
+                    except BaseException:
+                        pass
+                release_slot(handle.slot)
+        close = getattr(self.tier, "close", None)
+        if close is not None:  # the disk tier's current file, empty now: closed, not kept for a next step
+            close()
+
     def _fetch(self, handle: StoredTensor) -> None:
+        if handle.released:
+            return
         if handle.data is None and handle.incoming is None and handle.out is not None:
             handle.incoming = handle.backend.copy_in(handle.out, self.tier)
             self.stats.fetched += 1

@@ -297,6 +297,31 @@ def test_every_choice_gives_bitwise_equal_gradients(ids, half):
     assert_bitwise_equal(expected, train_step(model, ids, seed=5))
 
 
+@pytest.mark.parametrize("choice", ["keep", "recompute", "selective", "selective-alt", "offload:disk",
+                                    "recompute+offload:disk"])
+def test_every_choice_raises_torchs_error_for_weights_changed_before_backward(ids, half, choice):
+    """An optimizer step between forward and backward (issue 28.1): each choice the planner makes
+    gives torch's in-place error, as the run without checkpointing does; never gradients from the
+    stepped weights."""
+    model, result = half
+    Plan.from_choices(result, [choice] * len(result.blocks)).apply(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = model(ids).float().square().mean()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    finally:
+        acshim.remove_checkpointing(model)
+        with torch.no_grad():  # the module-scoped model back to its weights
+            for p, original in zip(model.parameters(), small_gpt().parameters(), strict=True):
+                p.copy_(original)
+        model.zero_grad(set_to_none=True)
+
+
 def test_outside_offload_gives_bitwise_equal_gradients_and_is_undone(ids, half):
     """The part outside the blocks offloaded (a scope around the model's forward sharing the
     offloaded blocks' schedule): gradients bitwise, kept blocks keep their tensors where they are,
