@@ -139,6 +139,9 @@ def uninstall() -> None:
             if failures:
                 warnings.warn("acshim: uninstall left changes it could not undo: " + "; ".join(failures),
                               PatchWarning, stacklevel=2)
+    from ..storage import unwind  # the storage tier's wrapper of torch's backward entry, if it put one
+
+    unwind.restore()
 
 
 def is_installed() -> bool:

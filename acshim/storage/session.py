@@ -173,8 +173,11 @@ class OffloadSession:
         self._last: weakref.ref[StoredTensor] | None = None
         """The most recent handle moving bytes (see ``_already_moving``)."""
         self._lock = threading.RLock()
-        self._handles: weakref.WeakSet[StoredTensor] = weakref.WeakSet()
-        """Every moved tensor's handle still held by a graph (``release_unconsumed``)."""
+        self._handles: list[weakref.ref[StoredTensor]] = []
+        """The moved tensors' handles (``release_unconsumed``), weakly. No ``WeakSet``: its weakref
+        callbacks are Python code run as autograd frees handles, where a Ctrl-C is swallowed; dead
+        entries are pruned here instead, amortized."""
+        self._prune_handles_at = self.PRUNE_SEEN_AT
         unwind.ensure_installed()
         _notify_recorders(self)
 
@@ -202,7 +205,7 @@ class OffloadSession:
                 return shared
             data, layout = to_bytes(tensor)
             handle = StoredTensor(layout, backend, data, tensor)
-            self._handles.add(handle)
+            self._keep_handle(handle)
             self._remember(tensor, handle)
             self.stats.moved += 1
             self.stats.moved_bytes += layout.nbytes
@@ -269,6 +272,13 @@ class OffloadSession:
     def _last_moved(self) -> StoredTensor | None:
         last = self._last
         return last() if last is not None else None
+
+    def _keep_handle(self, handle: StoredTensor) -> None:
+        handles = self._handles
+        if len(handles) >= self._prune_handles_at:
+            handles[:] = [ref for ref in handles if ref() is not None]
+            self._prune_handles_at = max(self.PRUNE_SEEN_AT, 2 * len(handles))
+        handles.append(weakref.ref(handle))
 
     def _remember(self, tensor: torch.Tensor, handle: StoredTensor) -> None:
         # No weakref callback drops dead entries: Python code run by the garbage collector swallows a
@@ -343,7 +353,7 @@ class OffloadSession:
         space, prefetched copies and resident bytes of every saved tensor its graph still holds.
         A copy in flight is waited for first: its slot must not be reused under it."""
         with self._lock:
-            handles = list(self._handles)
+            handles = [handle for handle in (ref() for ref in self._handles) if handle is not None]
             for handle in handles:
                 if handle.released:
                     continue
@@ -353,9 +363,10 @@ class OffloadSession:
                 if incoming is not None:
                     try:
                         handle.backend.wait(incoming)
-                    except BaseException:
+                    except Exception:  # its bytes are dropped either way; a Ctrl-C here still propagates
                         pass
                 release_slot(handle.slot)
+        REAPER.settle_pending()  # handles autograd freed just before: their slots too
         close = getattr(self.tier, "close", None)
         if close is not None:  # the disk tier's current file, empty now: closed, not kept for a next step
             close()

@@ -8,7 +8,13 @@ non-reentrant mode, the same around a closure over the block, ``acshim.run_regio
 ``acshim.apply_checkpointing`` with a random policy), an input that may or may not require grad,
 gradients by ``backward()``, ``autograd.grad`` or ``backward(inputs=...)``, maybe an offload tier
 (host or disk) with a prefetch horizon, and maybe a block output changed in place after the
-forward and dropped (autograd saved it: torch's in-place error, on every tier). One training step
+forward and dropped (autograd saved it: torch's in-place error, on every tier). Drawn on top, from
+a second generator so that the cases above stay as they were (issue 28): the blocks' linear layers
+applied row by row under ``torch.vmap``, their outputs kept by forward hooks and differentiated by
+an extra loss (Hugging Face's router-logit recorder), every trainable weight changed in place after
+the forward (an optimizer step before backward: torch's in-place error, or acshim's where only the
+recompute would read a changed weight), and a first step stopped by Ctrl-C in backward (every
+descriptor of the disk tier closed at once, the next step exact). One training step
 must give bitwise the gradients (parameters and input), the loss and the buffers of the same model
 run without checkpointing, or the error that run gives. Where acshim raises instead, torch's own
 ``torch.utils.checkpoint`` must raise the same error in the same configuration.
@@ -65,6 +71,7 @@ class BlockSpec:
     selective: bool = False  # non-reentrant regions: context_fn=acshim.selective.save_ops()
     twice: bool = False  # the same module is called twice in a row (shared weights, BatchNorm twice)
     variant: str = ""  # spectral / stateful blocks: which one (VARIANTS)
+    vmapped: bool = False  # the block's linear layer runs row by row under torch.vmap
     children: list[BlockSpec] = field(default_factory=list)
 
     def describe(self, name: str, indent: int, route: str) -> list[str]:
@@ -79,6 +86,8 @@ class BlockSpec:
             flags.append(f"shift={self.kwargs_shift}" + (" via functools.partial" if self.kwargs_partial else ""))
         if self.twice:
             flags.append("called twice")
+        if self.vmapped:
+            flags.append("linear under torch.vmap")
         lines = [" " * indent + f"{name}: " + " ".join(flags)]
         for index, child in enumerate(self.children):
             lines += child.describe(f"{name}.inner.{index}", indent + 2, route)
@@ -99,6 +108,9 @@ class Case:
     policy_names: list[str] = field(default_factory=list)  # apply route: ByName patterns / classes
     apply_reentrant: bool = False
     apply_storage: tuple[str, int] | None = None  # apply route: boundary offload (storage, prefetch)
+    recorded: bool = False  # forward hooks keep every linear output; an extra loss differentiates them
+    weights_changed: bool = False  # every trainable weight changed in place between forward and backward
+    interrupted: bool = False  # a first step's backward is stopped by KeyboardInterrupt from a hook
 
     def describe(self) -> str:
         lines = [f"seed {self.seed}: route={self.route}, x requires_grad={self.input_requires_grad}, "
@@ -106,6 +118,12 @@ class Case:
         if self.changed_after_forward is not None:
             lines.append(f"after forward: output of top-level call {self.changed_after_forward} multiplied by 2 "
                          "in place under no_grad, then dropped")
+        if self.recorded:
+            lines.append("forward hooks keep every linear output; loss += 0.01 * mean square of each")
+        if self.weights_changed:
+            lines.append("after forward: every trainable weight += 0.01 in place under no_grad")
+        if self.interrupted:
+            lines.append("first a step whose backward KeyboardInterrupt stops halfway (caught), then the step")
         if self.offload:
             storage, prefetch, min_bytes = self.offload
             lines.append(f"forward under acshim.offload(storage={storage!r}, prefetch={prefetch}, "
@@ -194,7 +212,22 @@ def draw_case(seed: int) -> Case:
         case.apply_reentrant = rng.random() < 0.5
         if rng.random() < 0.3:
             case.apply_storage = (rng.choice(["host", "disk"]), rng.choice([0, 1, 2]))
+    _draw_round_three(case)
     return case
+
+
+VMAPPED_KINDS = ("mlp", "dropout", "inplace", "multi", "kwargs")
+"""Blocks whose linear layer may run under ``torch.vmap`` (one row per call)."""
+
+
+def _draw_round_three(case: Case) -> None:
+    """Issue 28's classes, from a generator of their own: the draws above stay as they were."""
+    rng = random.Random(case.seed + 10_000)
+    for _, spec in _all_blocks(case.blocks):
+        spec.vmapped = spec.kind in VMAPPED_KINDS and rng.random() < 0.25
+    case.recorded = rng.random() < 0.3
+    case.weights_changed = rng.random() < 0.25
+    case.interrupted = rng.random() < 0.15
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,11 +275,18 @@ def _closure_over(call: Any) -> Any:
     return region
 
 
+class RowwiseLinear(nn.Linear):
+    """``nn.Linear`` applied to one row at a time under ``torch.vmap``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(super().forward)(x)
+
+
 class Block(nn.Module):
     def __init__(self, spec: BlockSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.linear = (RowwiseLinear if spec.vmapped else nn.Linear)(WIDTH, WIDTH)
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         return ACTIVATIONS[self.spec.act](x)
@@ -464,16 +504,27 @@ def run_step(case: Case, engine: str, directory: Path) -> dict[str, torch.Tensor
         scope = acshim.offload(storage=storage_name, prefetch=prefetch, min_bytes=min_bytes,
                                directory=str(directory))
     model.train()
+    recorded = _record_linear_outputs(model) if case.recorded else None
+    if case.interrupted:
+        _interrupted_step(case, model, router, x, const, scope, directory, engine)
     torch.manual_seed(case.seed + 1000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's reentrant checkpoint warns when no input needs grad
-        with scope:
+        with scope, recorded or contextlib.nullcontext():
             out = model(x, const)
         if case.changed_after_forward is not None:
             with torch.no_grad():
                 router.outputs[case.changed_after_forward].mul_(2.0)
         router.outputs.clear()  # the changed tensor lives on only where autograd or a region saved it
         loss = (out * torch.linspace(-1.0, 1.0, out.shape[-1])).square().mean()
+        if recorded is not None:
+            loss = loss + 0.01 * sum((kept.square().mean() for kept in recorded.kept), torch.zeros(()))
+            recorded.kept.clear()
+        if case.weights_changed:
+            with torch.no_grad():
+                for param in model.blocks.parameters():
+                    if param.requires_grad:
+                        param.add_(0.01)
         leaves = {name: param for name, param in model.named_parameters() if param.requires_grad}
         leaves.update({name: tensor for name, tensor in (("input", x), ("const", const)) if tensor.requires_grad})
         if case.grad_mode == "backward":
@@ -492,6 +543,75 @@ def run_step(case: Case, engine: str, directory: Path) -> dict[str, torch.Tensor
     for name, buffer in model.named_buffers():
         state[f"buffer:{name}"] = buffer.clone()
     return state
+
+
+class _Recorder:
+    """Forward hooks on every block's linear layer keep its outputs while the forward runs (as Hugging
+    Face's output recorder keeps router logits); a recompute in backward adds nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.kept: list[torch.Tensor] = []
+        self.on = False
+        for module in model.blocks.modules():
+            if isinstance(module, Block):
+                module.linear.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if self.on and output.requires_grad:
+            self.kept.append(output)
+
+    def __enter__(self) -> None:
+        self.on = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.on = False
+
+
+def _record_linear_outputs(model: nn.Module) -> _Recorder:
+    return _Recorder(model)
+
+
+def _private_fds(directory: Path) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+def _interrupted_step(case: Case, model: nn.Module, router: Router, x: torch.Tensor, const: torch.Tensor,
+                      scope: Any, directory: Path, engine: str) -> None:
+    """A step whose backward KeyboardInterrupt stops halfway, caught as a script would, its graph still
+    held: the disk tier must hold no descriptor then; gradients and recorded outputs are reset."""
+    torch.manual_seed(case.seed + 500)
+    before = set(_private_fds(directory))  # an earlier case's graph may still be collected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with scope:
+            out = model(x, const)
+        hooked = [t for t in router.outputs if t.requires_grad]
+        router.outputs.clear()
+        if not hooked:
+            return
+        target = hooked[len(hooked) // 2]
+        target.register_hook(lambda grad: (_ for _ in ()).throw(KeyboardInterrupt()))
+        loss = (out * torch.linspace(-1.0, 1.0, out.shape[-1])).square().mean()
+        try:
+            loss.backward()
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the interrupt never fired")
+        if engine == "acshim":
+            left = set(_private_fds(directory)) - before
+            assert not left, f"descriptors left open after an interrupted backward:\n{case.describe()}"
+        del loss, out, target, hooked
+    model.zero_grad(set_to_none=True)
+    x.grad = const.grad = None
 
 
 REENTRANT_GRAD_ERROR = "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
@@ -539,6 +659,7 @@ def _params() -> list[Any]:
 
 
 IN_PLACE_ERROR = "one of the variables needed for gradient computation has been modified by an inplace operation"
+RECOMPUTE_READ = "before backward recomputed that region"
 
 
 @pytest.mark.parametrize("case", _params())
@@ -546,19 +667,25 @@ def test_random_configuration_matches_the_run_without_checkpointing(case: Case, 
     try:
         expected = run_step(case, "plain", tmp_path)
     except RuntimeError as plain_error:  # a saved tensor changed after the forward: so must acshim fail
-        assert case.changed_after_forward is not None and str(plain_error).startswith(IN_PLACE_ERROR), plain_error
-        with pytest.raises(RuntimeError) as raised:
+        assert (case.changed_after_forward is not None or case.weights_changed) and str(plain_error).startswith(
+            IN_PLACE_ERROR), plain_error
+        with pytest.raises(Exception) as raised:
             run_step(case, "acshim", tmp_path)
         reentrant_grad = case.grad_mode != "backward" and has_reentrant(case)  # either torch error comes first
-        assert str(raised.value).startswith(IN_PLACE_ERROR) or (
-            reentrant_grad and str(raised.value).startswith(REENTRANT_GRAD_ERROR)), (
-            f"acshim: {_error_text(raised.value)}\nplain: {_error_text(plain_error)}\n{case.describe()}")
+        if not isinstance(raised.value, RuntimeError) or not (str(raised.value).startswith(IN_PLACE_ERROR) or (
+                reentrant_grad and str(raised.value).startswith(REENTRANT_GRAD_ERROR))):
+            torch_error = torch_failure(case, {}, tmp_path)  # torch's checkpoint refuses the configuration first
+            assert torch_error is not None and type(raised.value) is type(torch_error) and str(
+                raised.value).startswith(str(torch_error)), (
+                f"acshim: {_error_text(raised.value)}\nplain: {_error_text(plain_error)}\n{case.describe()}")
         return
     try:
         actual = run_step(case, "acshim", tmp_path)
     except Exception as error:  # acshim may only fail where torch fails, with torch's error
         if str(error).startswith(REENTRANT_GRAD_ERROR) and case.grad_mode != "backward" and has_reentrant(case):
             return  # torch's own error for .grad() / inputs= through a reentrant region
+        if case.weights_changed and str(error).startswith(IN_PLACE_ERROR) and RECOMPUTE_READ in str(error):
+            return  # a recompute would read a changed weight that the plain run did not save: refused
         torch_error = torch_failure(case, expected, tmp_path)
         if torch_error is None:
             raise AssertionError(f"acshim raised where torch.utils.checkpoint works:\n{case.describe()}") from error
@@ -699,6 +826,14 @@ def test_generator_covers_every_feature() -> None:
     assert any(case.changed_after_forward is not None and case.offload for case in cases)
     assert any(case.route == "closure" and case.grad_mode != "backward" and has_reentrant(case) for case in cases)
     assert any(spec.kind == "lstm" and spec.region and spec.reentrant for spec in specs)
+    # issue 28's classes: vmap inside reentrant and non-reentrant regions, recorded outputs under
+    # reentrant regions, weights changed before backward, an interrupted backward on the disk tier
+    assert {spec.reentrant for spec in specs if spec.vmapped and spec.region} == {True, False}
+    assert any(case.recorded and has_reentrant(case) for case in cases)
+    assert any(case.weights_changed and has_reentrant(case) for case in cases)
+    assert any(case.weights_changed and not has_reentrant(case) for case in cases)
+    assert any(case.interrupted and ((case.offload and case.offload[0] == "disk")
+                                     or (case.apply_storage and case.apply_storage[0] == "disk")) for case in cases)
 
 
 def test_a_wrong_gradient_is_caught() -> None:
@@ -729,7 +864,7 @@ def _disk_cases(count: int) -> list[Case]:
     for seed in range(1000, 2000):  # seeds of their own: the fork cases are drawn, not picked
         case = draw_case(seed)
         if (case.offload and case.offload[0] == "disk" and case.changed_after_forward is None
-                and case.grad_mode == "backward"):
+                and not case.weights_changed and case.grad_mode == "backward"):
             found.append(case)
             if len(found) == count:
                 break
