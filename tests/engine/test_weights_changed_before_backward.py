@@ -198,3 +198,19 @@ def test_a_second_backward_after_an_optimizer_step_raises(tmp_path) -> None:
         _sgd(block)
         with pytest.raises(RuntimeError, match="before backward recomputed that region"):
             loss.backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_buffer_rewritten_with_the_same_values_is_no_change(reentrant: bool, tmp_path) -> None:
+    """DDP's ``broadcast_buffers`` copies rank 0's buffers in place before every forward, so a second
+    forward before backward moves the version counters of buffers whose values did not change: the
+    step is exact, as without checkpointing. A buffer given other values still raises."""
+
+    def same_values(block: nn.Module) -> None:
+        with torch.no_grad():
+            block.scale.copy_(block.scale.clone())  # type: ignore[operator]
+
+    route = _checkpoint(reentrant)
+    assert_bitwise_equal(_step(None, None, tmp_path), _step(route, same_values, tmp_path))
+    with pytest.raises(RuntimeError, match="buffer 'scale' of Scaled"):
+        _step(route, _buffer, tmp_path)
