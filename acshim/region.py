@@ -149,7 +149,7 @@ class _RegionCall:
                 output = self.function(*args, **kwargs)
             self.buffer_changes = buffers.changes()
             self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes,
-                                             referenced.values(), buffers.small_unchanged)
+                                             referenced.values())
             _notify(observer, "forward_end", self.function)
             return output
         region_reads.check(self.reads)
@@ -262,8 +262,7 @@ class _ReentrantSpec:
             since = region_graph.next_node_number()
             output = self.call(tensors)
         self.buffer_changes = buffers.changes()
-        self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes, referenced.values(),
-                                         buffers.small_unchanged)
+        self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes, referenced.values())
         self.changed_inputs = [(i, v) for i, (t, v) in enumerate(zip(tensors, versions))
                                if v >= 0 and t._version != v]
         _notify(self.options.observer, "forward_end", self.function)

@@ -65,20 +65,12 @@ def outside_selective_modes() -> contextlib.AbstractContextManager[Any]:
 class BufferSnapshot:
     """The buffers of some modules just before a forward: objects, versions and clones."""
 
-    __slots__ = ("_modules", "_entries", "_clones", "small_unchanged")
-
-    SMALL_BYTES = 64 << 10
-    """Unchanged buffers up to this size keep their pre-forward clone until backward
-    (``small_unchanged``): a buffer rewritten in place with the same values before the recompute
-    (DDP's ``broadcast_buffers`` before a second forward) is then told from a changed one by its
-    contents, not only by its version counter (``acshim.region_reads``)."""
+    __slots__ = ("_modules", "_entries", "_clones")
 
     def __init__(self) -> None:
         self._modules: list[tuple[nn.Module, frozenset[str]]] = []
         self._entries: list[tuple[nn.Module, str, torch.Tensor | None, int]] = []
         self._clones: dict[int, torch.Tensor] = {}
-        self.small_unchanged: dict[int, torch.Tensor] = {}
-        """id(buffer) -> its pre-forward clone, for small buffers the forward did not change."""
 
     def add(self, module: nn.Module) -> None:
         """Record ``module``'s buffers as they are now."""
@@ -131,13 +123,6 @@ class BufferSnapshot:
             buffers = module._buffers
             if buffers and (not names or len(buffers) != len(names) or any(n not in names for n in buffers)):
                 changed += [(module, name, _MISSING) for name in buffers if name not in names]
-        touched = {(id(module), name) for module, name, _ in changed}
-        self.small_unchanged = {}
-        for module, name, before, _ in self._entries:
-            if before is not None and (id(module), name) not in touched and module._buffers.get(name) is before:
-                clone = self._clones[id(before)]
-                if clone.nbytes <= self.SMALL_BYTES:
-                    self.small_unchanged[id(before)] = clone
         self._clones.clear()
         return changed
 

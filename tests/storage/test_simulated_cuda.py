@@ -402,3 +402,25 @@ def test_the_simulator_poisons_a_read_that_is_not_ordered_after_its_write():
         read = target.view(torch.float32).clone()  # and compute never waited for the copy
     assert torch.isnan(read).all()
     assert len(sim.violations) == 2
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_an_exception_unwinding_backward_gives_the_graphs_pinned_regions_back_at_once(sim_cuda, prefetch):
+    """Issue 28.2 on the CUDA path: the host tier's pinned regions of a graph whose backward an
+    exception stopped go back to the pool while the script still holds the graph."""
+    sim, backend = sim_cuda
+    model, x = seeded(lambda: tiny_sequential(4, 64)), torch.randn(32, 64)
+    with offload("host", prefetch, min_bytes=0, backend=backend):
+        h = x
+        for index, layer in enumerate(model):
+            h = layer(h)
+            if index == len(model) // 2:
+                h.register_hook(lambda grad: (_ for _ in ()).throw(KeyboardInterrupt()))
+        loss = h.square().mean()
+    assert backend.host_pool.stats.in_use_bytes > 0
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    acshim.storage.reaper.REAPER.settle()
+    assert backend.host_pool.stats.in_use_bytes == 0
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        loss.backward()
