@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'acshim[megatron]')")
+pytest.importorskip("megatron.core", reason="absent upstream: megatron-core is not installed (pip install 'acshim[megatron]')")
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -219,3 +219,10 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
             "served by acshim; set TransformerConfig(distribute_saved_activations=False) or run without acshim")
     options = RegionOptions(reentrant=True, preserve_rng_state=True, grad_error_message=GRAD_ERROR)
     return run_region(function, args, None, options)
+
+
+__all__ = [
+    "CudaRNGStatesTracker", "checkpoint", "get_all_rng_states", "get_cuda_rng_tracker",
+    "get_data_parallel_rng_tracker_name", "get_expert_parallel_rng_tracker_name", "initialize_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+]
