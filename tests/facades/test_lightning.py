@@ -78,3 +78,19 @@ def test_fsdp_strategy_on_cpu_is_refused_by_lightning_itself() -> None:
 
     with pytest.raises(ValueError, match="FSDP is only available on GPU"):
         L.Fabric(accelerator="cpu", devices=1, strategy=FSDPStrategy(activation_checkpointing_policy={Block}))
+
+
+def test_report_names_the_regions_lightning_fsdp_strategy() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACSHIM_", "PYTEST_"))}
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "acshim", "run", "--report",
+                           "examples/lightning_fsdp_activation_checkpointing.py"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lightning FSDPStrategy     4 region(s), 8 forwards, 8 recomputes" in done.stderr

@@ -154,3 +154,14 @@ def test_recompute_keys_choose_upstreams_layers_and_match_no_recompute_bitwise(r
 ])
 def test_invalid_recompute_combinations_and_output_discarding_raise_upstreams_errors(results: dict, name: str, error: str) -> None:
     assert results["cases"][name]["error"].startswith(error)
+
+
+def test_report_names_the_regions_megatron() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACSHIM_", "PYTEST_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29300 + os.getpid() % 300))
+    done = subprocess.run([sys.executable, "-m", "acshim", "run", "--report", "examples/megatron_core_recompute.py"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # uniform, recompute_num_layers=2 on 4 layers: 2 regions, two steps
+    assert "megatron                   2 region(s), 4 forwards, 4 recomputes" in done.stderr
