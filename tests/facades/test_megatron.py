@@ -56,9 +56,10 @@ def run(recompute):
     config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, hidden_dropout=0.1,
                                use_cpu_initialization=True, **recompute)
     block = TransformerBlock(config, SPEC)
-    calls = [0] * len(block.layers)
+    calls = [[0, 0] for _ in block.layers]  # per layer: MLP forwards, pre-MLP norm forwards
     for i, layer in enumerate(block.layers):
-        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        for j, module in enumerate((layer.mlp, layer.pre_mlp_layernorm)):
+            module.register_forward_pre_hook(lambda *_, i=i, j=j: calls[i].__setitem__(j, calls[i][j] + 1))
     torch.manual_seed(0)
     hidden = torch.randn(16, 2, 32, requires_grad=True)
     block(hidden, attention_mask=None).float().pow(2).mean().backward()
@@ -88,6 +89,7 @@ CASES = {
     "full_block_3": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
     "selective_mlp": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
     "selective_layernorm": {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+    "selective_layernorm_mlp": {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]},
     "full_without_method": {"recompute_granularity": "full"},
     "selective_with_num_layers": {"recompute_granularity": "selective", "recompute_method": "uniform",
                                   "recompute_num_layers": 1},
@@ -126,12 +128,15 @@ def test_transformer_config_keeps_the_recompute_and_offload_keys() -> None:
 
 
 @pytest.mark.parametrize("name, calls", [
-    ("none", [1, 1, 1, 1]),
-    ("full_uniform_1", [2, 2, 2, 2]),     # every layer, one region each
-    ("full_uniform_2", [2, 2, 2, 2]),     # every layer, two layers per region
-    ("full_block_1", [2, 1, 1, 1]),       # the first recompute_num_layers layers only
-    ("full_block_3", [2, 2, 2, 1]),
-    ("selective_mlp", [2, 2, 2, 2]),      # the MLP of every layer
+    # per layer: [MLP forwards, pre-MLP norm forwards] in one step
+    ("none", [[1, 1]] * 4),
+    ("full_uniform_1", [[2, 2]] * 4),                    # every layer, one region each
+    ("full_uniform_2", [[2, 2]] * 4),                    # every layer, two layers per region
+    ("full_block_1", [[2, 2]] + [[1, 1]] * 3),           # the first recompute_num_layers layers only
+    ("full_block_3", [[2, 2]] * 3 + [[1, 1]]),
+    ("selective_mlp", [[2, 1]] * 4),                     # the MLP of every layer
+    ("selective_layernorm", [[1, 2]] * 4),               # the norm, its output discarded until the MLP's backward
+    ("selective_layernorm_mlp", [[2, 2]] * 4),           # both, each its own region
 ])
 def test_recompute_keys_choose_upstreams_layers_and_match_no_recompute_bitwise(results: dict, name: str,
                                                                                 calls: list[int]) -> None:
@@ -147,12 +152,8 @@ def test_recompute_keys_choose_upstreams_layers_and_match_no_recompute_bitwise(r
     ("selective_with_num_layers", "ValueError: When using recompute_granularity: selective recompute_num_layers "
                                   "must be None."),
     ("bogus_module", "AssertionError: Invalid choices for recompute_modules: {'bogus'}"),
-    # output-discarding recompute (layernorm, moe_act, mla_up_proj) is upstream's CheckpointWithoutOutput,
-    # left in place; without Transformer Engine its constructor's fp8 check (``fp8 is not None``, always
-    # True) reaches TE's FP8GlobalStateManager, so it cannot run on a machine without TE
-    ("selective_layernorm", "NameError: name 'FP8GlobalStateManager' is not defined"),
 ])
-def test_invalid_recompute_combinations_and_output_discarding_raise_upstreams_errors(results: dict, name: str, error: str) -> None:
+def test_invalid_recompute_combinations_raise_upstreams_errors(results: dict, name: str, error: str) -> None:
     assert results["cases"][name]["error"].startswith(error)
 
 

@@ -20,6 +20,7 @@ FACADE_RANDOM = "acshim.facades.megatron.core.tensor_parallel.random"
 
 PATCHED_NAMES = (
     "checkpoint",
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "initialize_rng_tracker",
     "get_cuda_rng_tracker",
@@ -29,8 +30,8 @@ PATCHED_NAMES = (
     "_set_all_rng_states",
     "_fork_rng",
 )
-"""``CheckpointWithoutOutput`` stays upstream's class (its output discard resizes storages in
-place); it reads the RNG through ``_get_all_rng_states`` / ``_fork_rng``, which are acshim's."""
+"""``_get_all_rng_states`` / ``_set_all_rng_states`` / ``_fork_rng`` are replaced too: other upstream
+code (CUDA-graph capture, MoE) reads the RNG through them."""
 
 ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     (UPSTREAM_RANDOM, name, f"{FACADE_RANDOM}.{name}") for name in PATCHED_NAMES

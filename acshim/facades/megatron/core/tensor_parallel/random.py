@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from acshim import rng as _rng
+from acshim.discard import DiscardedOutputRegion
 from acshim.options import RegionOptions
 from acshim.region import run_region
 
@@ -221,8 +222,47 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     return run_region(function, args, None, options)
 
 
+def _in_graph_warmup() -> bool:
+    """Megatron's CUDA-graph warmup (``megatron.core.transformer.cuda_graphs.is_graph_warmup``), when
+    that module is loaded; upstream skips output discarding then."""
+    cuda_graphs = sys.modules.get("megatron.core.transformer.cuda_graphs")
+    is_graph_warmup = getattr(cuda_graphs, "is_graph_warmup", None)
+    return bool(is_graph_warmup()) if is_graph_warmup is not None else False
+
+
+class CheckpointWithoutOutput:
+    """Upstream ``CheckpointWithoutOutput`` on ``acshim.discard.DiscardedOutputRegion``: ``checkpoint``
+    runs ``run_function(*args)`` without keeping its graph; ``discard_output_and_register_recompute``
+    frees the output's storage and rebuilds it when ``hook_tensor``'s gradient is computed.
+
+    Differences: ``fp8`` is off for ``False``/``None`` (upstream's ``fp8 is not None`` turns it on for
+    ``False`` too and then needs Transformer Engine); a truthy ``fp8`` raises ``ValueError``
+    (Transformer Engine's fp8 recompute is not served). A backward that reaches the region before the
+    hook ran recomputes there (upstream fails).
+    """
+
+    def __init__(self, fp8: Any = False) -> None:
+        if fp8 not in (False, None):
+            raise ValueError(f"CheckpointWithoutOutput(fp8={fp8!r}): Transformer Engine's fp8 recompute is not "
+                             "served by acshim; run without fp8 or without acshim")
+        self.fp8 = False
+        self._region = DiscardedOutputRegion()
+
+    def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
+        """The call's output; nothing inside ``run_function`` is kept for backward."""
+        if _in_graph_warmup():
+            return run_function(*args)
+        return self._region.run(run_function, *args)
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the output storages; recompute when ``hook_tensor``'s gradient arrives."""
+        if _in_graph_warmup():
+            return
+        self._region.discard(hook_tensor)
+
+
 __all__ = [
-    "CudaRNGStatesTracker", "checkpoint", "get_all_rng_states", "get_cuda_rng_tracker",
+    "CheckpointWithoutOutput", "CudaRNGStatesTracker", "checkpoint", "get_all_rng_states", "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name", "get_expert_parallel_rng_tracker_name", "initialize_rng_tracker",
     "model_parallel_cuda_manual_seed",
 ]
