@@ -52,6 +52,9 @@ SPEC = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules
     pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda))
 
 def run(recompute):
+    storage = recompute.pop("_storage", None)
+    if storage:
+        os.environ["ACSHIM_OFFLOAD_STORAGE"] = storage
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, hidden_dropout=0.1,
                                use_cpu_initialization=True, **recompute)
@@ -63,21 +66,24 @@ def run(recompute):
     torch.manual_seed(0)
     hidden = torch.randn(16, 2, 32, requires_grad=True)
     block(hidden, attention_mask=None).float().pow(2).mean().backward()
+    os.environ.pop("ACSHIM_OFFLOAD_STORAGE", None)
+    moved = block.offload_context.moved_bytes() if hasattr(block.offload_context, "moved_bytes") else 0
     grads = [p.grad for _, p in sorted(block.named_parameters())] + [hidden.grad]
-    return calls, grads
+    return calls, grads, moved
 
-_, reference = run({})
+_, reference, _ = run({})
 cases = json.loads(sys.argv[1])
 out = {"missing": installation.reports["megatron"].missing,
        "checkpoint_is_acshim": is_acshim_wrapper(tensor_parallel.checkpoint),
        "tracker": type(tensor_parallel.get_cuda_rng_tracker()).__module__, "cases": {}}
 for name, recompute in cases.items():
     try:
-        calls, grads = run(recompute)
+        calls, grads, moved = run(recompute)
     except Exception as error:
         out["cases"][name] = {"error": f"{type(error).__name__}: {error}"}
         continue
-    out["cases"][name] = {"calls": calls, "bitwise": all(torch.equal(a, b) for a, b in zip(grads, reference))}
+    out["cases"][name] = {"calls": calls, "moved": moved,
+                          "bitwise": all(torch.equal(a, b) for a, b in zip(grads, reference))}
 print("RESULT", json.dumps(out))
 """
 
@@ -90,6 +96,13 @@ CASES = {
     "selective_mlp": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
     "selective_layernorm": {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
     "selective_layernorm_mlp": {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]},
+    "cpu_offloading_disk_2": {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "_storage": "disk"},
+    "cpu_offloading_host_2": {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "_storage": "host"},
+    "cpu_offloading_weights": {"cpu_offloading": True, "cpu_offloading_num_layers": 1,
+                               "cpu_offloading_weights": True},
+    "cpu_offloading_with_recompute": {"cpu_offloading": True, "cpu_offloading_num_layers": 1,
+                                      "recompute_granularity": "full", "recompute_method": "uniform",
+                                      "recompute_num_layers": 1},
     "full_without_method": {"recompute_granularity": "full"},
     "selective_with_num_layers": {"recompute_granularity": "selective", "recompute_method": "uniform",
                                   "recompute_num_layers": 1},
@@ -149,6 +162,10 @@ def test_recompute_keys_choose_upstreams_layers_and_match_no_recompute_bitwise(r
 @pytest.mark.parametrize("name, error", [
     ("full_without_method", 'ValueError: Using recompute_granularity: full so recompute_method must be "block" or '
                             '"uniform"'),
+    ("cpu_offloading_weights", "ValueError: TransformerConfig(cpu_offloading_weights=True): weight offload is not "
+                               "served by acshim"),
+    ("cpu_offloading_with_recompute", "ValueError: CPU offloading does not work when activation recomputation is "
+                                      "enabled"),
     ("selective_with_num_layers", "ValueError: When using recompute_granularity: selective recompute_num_layers "
                                   "must be None."),
     ("bogus_module", "AssertionError: Invalid choices for recompute_modules: {'bogus'}"),
@@ -166,3 +183,14 @@ def test_report_names_the_regions_megatron() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     # uniform, recompute_num_layers=2 on 4 layers: 2 regions, two steps
     assert "megatron                   2 region(s), 4 forwards, 4 recomputes" in done.stderr
+
+
+def test_cpu_offloading_sends_the_first_layers_activations_to_the_storage_tier_bitwise(results: dict) -> None:
+    disk, host = results["cases"]["cpu_offloading_disk_2"], results["cases"]["cpu_offloading_host_2"]
+    for case in (disk, host):
+        assert "error" not in case, case.get("error")
+        assert case["bitwise"] and case["calls"] == [[1, 1]] * 4  # offload, no recompute
+    # the disk tier moves what the first two layers saved (each saves at least its 16x2x32 fp32 input
+    # to the norm and its 16x2x128 MLP activations); the host tier leaves CPU tensors where they are
+    assert disk["moved"] >= 2 * (16 * 2 * 32 + 16 * 2 * 128) * 4
+    assert host["moved"] == 0

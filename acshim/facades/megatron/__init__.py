@@ -35,6 +35,10 @@ code (CUDA-graph capture, MoE) reads the RNG through them."""
 
 ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     (UPSTREAM_RANDOM, name, f"{FACADE_RANDOM}.{name}") for name in PATCHED_NAMES
+] + [
+    # None without Transformer Engine: TransformerBlock then refuses cpu_offloading; acshim serves it
+    ("megatron.core.transformer.transformer_block", "get_cpu_offload_context",
+     "acshim.facades.megatron._offload.get_cpu_offload_context"),
 ]
 
 __all__ = ["ACSHIM_PATCHES"]
