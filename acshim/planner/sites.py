@@ -74,7 +74,7 @@ def outermost_module_on_stack() -> nn.Module | None:
     return calls[-1].f_locals["self"] if calls else None
 
 
-_ENGINE_MODULES = ("acshim.region", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
+_ENGINE_MODULES = ("acshim.region", "acshim.discard", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
                    "acshim.wrap", "acshim.structures", "torch.", "functools", "contextlib")
 
 

@@ -1,5 +1,6 @@
 """``megatron.core.tensor_parallel.random`` (megatron-core 0.16.1): ``checkpoint`` as one reentrant
-acshim region, and the named RNG streams in acshim's device-generic tracker.
+acshim region, ``CheckpointWithoutOutput`` as an output-discarding region (``acshim.discard``), and
+the named RNG streams in acshim's device-generic tracker.
 
 Same names, signatures, stream names, seeds and ``Exception`` texts as upstream. Deliberate
 differences:
