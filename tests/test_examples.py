@@ -37,6 +37,18 @@ UPSTREAM_NOT_BITWISE: dict[str, str] = {
     "example's dropout its recompute draws other masks (acshim preserves RNG; tests/facades/test_modalities_upstream.py)",
 }
 
+# Examples for upstream packages acshim cannot serve whole (model code), by the module they need; they
+# run where that package is installed (the ``megatron`` and ``lightning`` extras).
+NEEDS_PACKAGE: dict[str, str] = {
+    "megatron_core_recompute": "megatron.core",
+    "lightning_fsdp_activation_checkpointing": "lightning",
+}
+
+# Examples whose plain-upstream run cannot happen on CPU, and why.
+UPSTREAM_NEEDS_GPU: dict[str, str] = {
+    "megatron_core_recompute": "megatron-core's model_parallel_cuda_manual_seed reads torch.cuda",
+}
+
 # What a launcher does before the script under the real library: DeepSpeed's checkpointing needs
 # its communication backend up (``deepspeed.init_distributed()``) before ``configure`` /
 # ``checkpoint``; acshim needs nothing, so the examples do not call it. The script itself runs
@@ -86,7 +98,8 @@ def runs_on_real_upstream(path: Path) -> bool:
     return bool(used) and all(UPSTREAMS[u] for u in used)
 
 
-PLAIN_EXAMPLES = [p for p in EXAMPLES if runs_on_real_upstream(p)]
+EXAMPLES = [p for p in EXAMPLES if p.stem not in NEEDS_PACKAGE or module_exists(NEEDS_PACKAGE[p.stem])]
+PLAIN_EXAMPLES = [p for p in EXAMPLES if runs_on_real_upstream(p) and p.stem not in UPSTREAM_NEEDS_GPU]
 
 # Installed upstream packages whose facade can also serve the whole import name: hiding the real
 # package exercises the other path of ``acshim run`` (facade served under the upstream name).

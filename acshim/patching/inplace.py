@@ -156,7 +156,12 @@ def _sweep(package: str, replacement: Any, original: Any) -> None:
 
 def replace_copies(package: str, defining: types.ModuleType, original: Any, replacement: Any, journal: Journal) -> None:
     """Replace ``original`` by ``replacement`` wherever another module of ``package`` bound it by
-    name (``from .checkpoint_activations import checkpoint_wrapper`` in ``fairscale.nn``)."""
+    name (``from .checkpoint_activations import checkpoint_wrapper`` in ``fairscale.nn``).
+
+    A placeholder value (``None``, a number, a string: Megatron's ``get_cpu_offload_context = None``
+    without Transformer Engine) has no copies: other attributes equal to it are unrelated."""
+    if original is None or isinstance(original, bool | int | float | str):
+        return
     for module in _package_modules(package):
         if module is defining:
             continue

@@ -74,7 +74,7 @@ def outermost_module_on_stack() -> nn.Module | None:
     return calls[-1].f_locals["self"] if calls else None
 
 
-_ENGINE_MODULES = ("acshim.region", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
+_ENGINE_MODULES = ("acshim.region", "acshim.discard", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
                    "acshim.wrap", "acshim.structures", "torch.", "functools", "contextlib")
 
 
@@ -88,12 +88,29 @@ def dialect_of_caller() -> str:
             if name == "acshim.patching.torch_route":
                 return "torch.utils.checkpoint"
             if name.startswith("acshim.facades."):
+                named = _dialect_named_by_wrapper(frame)
+                if named is not None:
+                    return named
                 parts = name.split(".")
                 return "torch.sagemaker" if parts[2:4] == ["torch", "sagemaker"] else (
                     "torch checkpoint_wrapper" if parts[2] == "torch" else parts[2])
             return "hf" if name.startswith("acshim.hf") else "acshim"
         frame = frame.f_back
     return "acshim"
+
+
+def _dialect_named_by_wrapper(frame: types.FrameType | None, depth: int = 4) -> str | None:
+    """``acshim_dialect`` of the wrapper module whose ``forward`` made the call (set by the facade
+    that saw a library, e.g. Lightning, apply it), looked for in the next ``depth`` frames."""
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        named = getattr(owner, "acshim_dialect", None) if isinstance(owner, nn.Module) else None
+        if isinstance(named, str):
+            return named
+        frame = frame.f_back
+    return None
 
 
 def describe(options: RegionOptions) -> str:

@@ -27,6 +27,7 @@ TRIGGER_NAMES = (
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     "modalities",
     "torchtune",
+    "megatron",
     "transformers",
     "accelerate",
 )

@@ -165,6 +165,26 @@ def apply_activation_checkpointing(
             raise TypeError(f"apply_activation_checkpointing: {name} must be callable, got {value!r}")
     _torch_apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper_fn, check_fn=check_fn,
                                           auto_wrap_policy=auto_wrap_policy)
+    dialect = _calling_dialect()
+    if dialect is not None:
+        for module in model.modules():
+            if isinstance(module, ActivationWrapper) and not hasattr(module, "acshim_dialect"):
+                module.acshim_dialect = dialect  # what ``acshim run --report`` names these regions
+
+
+# Libraries that call apply_activation_checkpointing for their users, by the config they read it from.
+_CALLING_DIALECTS = {"lightning": "lightning FSDPStrategy", "pytorch_lightning": "lightning FSDPStrategy",
+                     "lightning_fabric": "lightning FSDPStrategy"}
+
+
+def _calling_dialect() -> str | None:
+    """The dialect of the library that called ``apply_activation_checkpointing`` (Lightning's
+    ``FSDPStrategy(activation_checkpointing_policy=...)``), None for a user's own call."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("acshim.", "wrapt")):
+        frame = frame.f_back
+    package = frame.f_globals.get("__name__", "").split(".")[0] if frame is not None else ""
+    return _CALLING_DIALECTS.get(package)
 
 
 __all__ = [
