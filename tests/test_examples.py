@@ -37,6 +37,12 @@ UPSTREAM_NOT_BITWISE: dict[str, str] = {
     "example's dropout its recompute draws other masks (acshim preserves RNG; tests/facades/test_modalities_upstream.py)",
 }
 
+# Examples whose plain-upstream run fails on this CPU-only machine, and the error upstream gives.
+UPSTREAM_FAILS_ON_CPU: dict[str, str] = {
+    "trl_activation_offloading": "AttributeError: 'NoneType' object has no attribute 'type'",  # TRL 1.16's
+    # OffloadActivations reads torch.accelerator.current_accelerator().type when built
+}
+
 # What a launcher does before the script under the real library: DeepSpeed's checkpointing needs
 # its communication backend up (``deepspeed.init_distributed()``) before ``configure`` /
 # ``checkpoint``; acshim needs nothing, so the examples do not call it. The script itself runs
@@ -146,6 +152,10 @@ class ExampleRuns:
             if job not in self._futures:
                 self._futures[job] = self._executor.submit(_run, *job)
 
+    def result(self, example: Path, variant: str) -> subprocess.CompletedProcess:
+        self.start(example, variant)
+        return self._futures[(example, variant)].result()
+
     def digest(self, example: Path, variant: str) -> str:
         self.start(example, variant)
         result = self._futures[(example, variant)].result()
@@ -203,6 +213,10 @@ def test_example_gives_the_same_gradients_with_and_without_checkpointing(example
 def test_example_matches_the_real_upstream_library(example: Path, example_runs: ExampleRuns) -> None:
     """``python example.py`` runs the real DeepSpeed / FairScale / PyTorch / transformers code,
     checkpointing on."""
+    if example.stem in UPSTREAM_FAILS_ON_CPU:  # what acshim run fixes: upstream's own run fails here
+        result = example_runs.result(example, "plain")
+        assert result.returncode != 0 and UPSTREAM_FAILS_ON_CPU[example.stem] in result.stderr, result.stderr[-2000:]
+        return
     example_runs.start(example, "plain", "no-checkpointing")
     upstream = example_runs.digest(example, "plain")
     if example.stem in UPSTREAM_NOT_BITWISE:

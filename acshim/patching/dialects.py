@@ -52,6 +52,7 @@ DIALECTS: tuple[Dialect, ...] = (
     ),
     Dialect("modalities", "modalities", "acshim.facades.modalities", "modalities"),
     Dialect("torchtune", "torchtune", "acshim.facades.torchtune", "torchtune"),
+    Dialect("trl", "trl", "acshim.facades.trl", "trl"),
 )
 
 # Import names whose first import makes a child process install the patches (see childsite/).
