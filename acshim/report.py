@@ -86,7 +86,9 @@ class RegionRecorder:
             label = type(owner).__name__ if owner is not None else _short_qualname(_unwrapped(function))
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
-            entry = self.entries[key] = RegionEntry(f"{label}#{count}", _dialect_of_caller())
+            # a facade that made the region marks its module (acshim_dialect); else who called it
+            dialect = getattr(owner, "acshim_dialect", None) or _dialect_of_caller()
+            entry = self.entries[key] = RegionEntry(f"{label}#{count}", dialect)
         return entry
 
     # ---------------------------------------------------------------------------------- output

@@ -28,6 +28,7 @@ TRIGGER_NAMES = (
     "modalities",
     "torchtune",
     "trl",
+    "torchtitan",
     "transformers",
     "accelerate",
 )
