@@ -20,9 +20,9 @@ from acshim.planner.budget import BetweenBudget, parse_budget
 
 REPO = Path(__file__).resolve().parents[2]
 TESTED_TORCHTITAN = "0.3.0"
-"""The torchtitan release these tests pin (README's CI command installs it)."""
+"""The torchtitan release these tests pin (docs/torchtitan.md: how CI installs it)."""
 ABSENT = ("absent upstream: torchtitan is not installed here (pip install --no-deps torchtitan==0.3.0 and the "
-          "imports it needs: see README's CI command)")
+          "packages docs/torchtitan.md lists)")
 
 
 def _torchtitan():

@@ -56,4 +56,6 @@ def _plan_within(budget: BetweenBudget) -> None:
     if any(isinstance(router, PlanSession) for router in region.ROUTERS):
         return  # acshim run --budget plans already: its budget is the user's
     with torch.random.fork_rng(devices=[]):  # the planner's warm-up draws nothing from the script's stream
-        PlanSession(budget).start()
+        # torch's budget counts activation memory (what the partitioner saves), not the process's:
+        # the planner counts tensor storages too, and the budget is no promise on the process's RSS
+        PlanSession(budget, memory="tensors").start()
