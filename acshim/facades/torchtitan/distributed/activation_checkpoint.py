@@ -9,6 +9,9 @@ being made (``acshim run --budget``), a planning session starts: on the first tr
 chooses per block within ``memory_budget`` as torch means it, 0.0 full recompute's activation memory
 and 1.0 no checkpointing's (``BetweenBudget``). ``visualize_memory_budget_pareto`` is the
 compiler's and stays as upstream sets it.
+
+Not for compiled models yet: the regions reach ``torch.compile`` as torch's checkpoint operator, so
+the partitioner no longer weighs those blocks' activations against the budget as it would upstream.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def memory_budget_apply(policy: Any, model: nn.Module) -> None:
     [0, 1] (upstream's partitioner asserts the same range)."""
     config = policy.config
     budget = BetweenBudget(config.memory_budget)
+    # as every torchtitan policy's apply: Dynamo's LRU cache off (SAC + pipeline parallel + flex
+    # attention pick the wrong graph otherwise, pytorch/pytorch#166926)
+    torch._C._dynamo.eval_frame._set_lru_cache(False)
     if config.visualize_memory_budget_pareto:
         pareto_dir = os.path.join(policy.dump_folder, "memory_budget_pareto")
         os.makedirs(pareto_dir, exist_ok=True)
