@@ -86,7 +86,9 @@ class RegionRecorder:
             label = type(owner).__name__ if owner is not None else _short_qualname(_unwrapped(function))
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
-            entry = self.entries[key] = RegionEntry(f"{label}#{count}", _dialect_of_caller())
+            # a facade that made the region marks its module (acshim_dialect); else who called it
+            dialect = getattr(owner, "acshim_dialect", None) or _dialect_of_caller()
+            entry = self.entries[key] = RegionEntry(f"{label}#{count}", dialect)
         return entry
 
     # ---------------------------------------------------------------------------------- output
@@ -139,18 +141,18 @@ class RegionRecorder:
         for dialect, (regions, forwards, recomputes, held) in per_dialect.items():
             rows.append(f"  {dialect:<26} {regions} region(s), {forwards} forwards, {recomputes} recomputes, "
                         f"inputs held {_mib(held)} per step")
-        tiers: dict[str, list[float]] = {}
+        tiers: dict[tuple[str, str], list[float]] = {}
         for session, _ in self.sessions:
             stats = session.stats
-            totals = tiers.setdefault(stats.storage, [0, 0, 0, 0.0])
+            totals = tiers.setdefault((stats.storage, getattr(session, "origin", "acshim")), [0, 0, 0, 0.0])
             totals[0] += stats.moved_bytes
             totals[1] += stats.fetched - stats.late
             totals[2] += stats.late
             totals[3] += stats.wait_seconds
         rows.append("acshim report: offloaded")
-        for tier, (moved, hits, waits, seconds) in tiers.items():
+        for (tier, origin), (moved, hits, waits, seconds) in tiers.items():
             rows.append(f"  {tier:<6} {_mib(moved)} moved, prefetch hits {int(hits)}, waits {int(waits)} "
-                        f"({seconds * 1e3:.1f} ms)")
+                        f"({seconds * 1e3:.1f} ms), by {origin}")
         if not tiers:
             rows.append("  nothing (no storage tier was used)")
         notes = self.warnings()

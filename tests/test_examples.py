@@ -49,6 +49,12 @@ UPSTREAM_NEEDS_GPU: dict[str, str] = {
     "megatron_core_recompute": "megatron-core's model_parallel_cuda_manual_seed reads torch.cuda",
 }
 
+# Examples whose plain-upstream run fails on this CPU-only machine, and the error upstream gives.
+UPSTREAM_FAILS_ON_CPU: dict[str, str] = {
+    "trl_activation_offloading": "AttributeError: 'NoneType' object has no attribute 'type'",  # TRL 1.16's
+    # OffloadActivations reads torch.accelerator.current_accelerator().type when built
+}
+
 # What a launcher does before the script under the real library: DeepSpeed's checkpointing needs
 # its communication backend up (``deepspeed.init_distributed()``) before ``configure`` /
 # ``checkpoint``; acshim needs nothing, so the examples do not call it. The script itself runs
@@ -84,6 +90,8 @@ def _upstreams() -> dict[str, bool]:
 
 
 UPSTREAMS = _upstreams()
+PATCH_ONLY = {d.upstream for d in DIALECTS if d.patch_only}
+"""Upstreams whose facade cannot stand in for the package: their examples need it installed."""
 
 
 def upstreams_used(path: Path) -> set[str]:
@@ -159,6 +167,10 @@ class ExampleRuns:
             if job not in self._futures:
                 self._futures[job] = self._executor.submit(_run, *job)
 
+    def result(self, example: Path, variant: str) -> subprocess.CompletedProcess:
+        self.start(example, variant)
+        return self._futures[(example, variant)].result()
+
     def digest(self, example: Path, variant: str) -> str:
         self.start(example, variant)
         result = self._futures[(example, variant)].result()
@@ -205,6 +217,9 @@ def test_examples_exist() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_example_gives_the_same_gradients_with_and_without_checkpointing(example: Path, example_runs: ExampleRuns) -> None:
+    missing = sorted(u for u in upstreams_used(example) if u in PATCH_ONLY and not UPSTREAMS[u])
+    if missing:
+        pytest.skip(f"absent upstream: {', '.join(missing)} not installed, and acshim only patches it in place")
     example_runs.start(example, "checkpointing", "no-checkpointing")
     assert example_runs.digest(example, "checkpointing") == example_runs.digest(example, "no-checkpointing")
     # and the checkpointed run really recomputed on the engine; the other did not checkpoint at all
@@ -216,6 +231,10 @@ def test_example_gives_the_same_gradients_with_and_without_checkpointing(example
 def test_example_matches_the_real_upstream_library(example: Path, example_runs: ExampleRuns) -> None:
     """``python example.py`` runs the real DeepSpeed / FairScale / PyTorch / transformers code,
     checkpointing on."""
+    if example.stem in UPSTREAM_FAILS_ON_CPU:  # what acshim run fixes: upstream's own run fails here
+        result = example_runs.result(example, "plain")
+        assert result.returncode != 0 and UPSTREAM_FAILS_ON_CPU[example.stem] in result.stderr, result.stderr[-2000:]
+        return
     example_runs.start(example, "plain", "no-checkpointing")
     upstream = example_runs.digest(example, "plain")
     if example.stem in UPSTREAM_NOT_BITWISE:

@@ -29,6 +29,8 @@ class Dialect:
     upstream: str
     facade: str
     distribution: str | None = None
+    patch_only: bool = False
+    """The facade only patches the installed package (it cannot stand in for the whole of it)."""
 
     def facade_name_for(self, upstream_name: str) -> str | None:
         """``deepspeed.runtime.x`` -> ``acshim.facades.deepspeed.runtime.x``; None when outside."""
@@ -53,6 +55,8 @@ DIALECTS: tuple[Dialect, ...] = (
     Dialect("modalities", "modalities", "acshim.facades.modalities", "modalities"),
     Dialect("torchtune", "torchtune", "acshim.facades.torchtune", "torchtune"),
     Dialect("megatron", "megatron", "acshim.facades.megatron", "megatron-core"),
+    Dialect("trl", "trl", "acshim.facades.trl", "trl"),
+    Dialect("torchtitan", "torchtitan", "acshim.facades.torchtitan", "torchtitan", patch_only=True),
 )
 
 # Import names whose first import makes a child process install the patches (see childsite/).
@@ -120,4 +124,6 @@ def decide(dialect: Dialect) -> Mode:
     """How ``install()`` would serve ``dialect`` in this environment (no import side effects)."""
     if not facade_exists(dialect):
         return "no facade"
-    return "patch" if module_exists(dialect.upstream) else "shim"
+    if module_exists(dialect.upstream):
+        return "patch"
+    return "no facade" if dialect.patch_only else "shim"

@@ -166,6 +166,12 @@ def _install_dialects(installation: Installation, dialects: list[Dialect]) -> No
             shimmed.append(dialect)
         elif mode == "patch":
             _patch_in_place(installation, dialect, report)
+    if any(dialect.name == "torch" for dialect in dialects):
+        # torch's own offload policies (MUST_CPU_OFFLOAD / PREFER_CPU_OFFLOAD) offload in eager mode
+        from .torch_route import route_offload_policies, unroute_offload_policies
+
+        if route_offload_policies():
+            installation.journal.record("torch.utils.checkpoint for offload policies", unroute_offload_policies)
     if shimmed:
         finder = FacadeFinder(shimmed)
         sys.meta_path.insert(0, finder)

@@ -18,6 +18,15 @@ give such a block's parameters no gradient when its input needs none, and fails 
 unused-parameter search); calls made anywhere else stay torch's own until ``--budget``/``--report``
 route them all.
 
+torch's own selective-checkpoint policies that offload (``CheckpointPolicy.MUST_CPU_OFFLOAD`` /
+``PREFER_CPU_OFFLOAD`` from a ``context_fn`` made by ``create_selective_checkpoint_contexts``) are
+the other exception: torch honours them only when compiled and quietly recomputes those ops in eager
+mode. ``acshim.install()`` (so ``acshim run``, with or without ``--budget``/``--report``) routes every
+call given a ``context_fn`` (``route_offload_policies``), and every routed call's policy offloads to
+the storage tier (``acshim.selective.honour_offload``), the tier taken as torchtune's and TRL's
+facades take it: ``ACSHIM_OFFLOAD_STORAGE`` / ``ACSHIM_OFFLOAD_DIR``, else ``acshim.storage``'s
+defaults. A deliberate difference from torch's eager behaviour.
+
 A plain attribute swap rather than ``acshim.patching.inplace``: that machinery refuses
 ``torch.utils.checkpoint`` on purpose (a facade forwarding it would recurse into the engine), and
 this one swap is undone by ``unroute_torch_checkpoint``.
@@ -37,7 +46,10 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from .. import dropin
 from ..compiled import _TracedCall
+from ..facades._env import offload_storage
 from ..region import TORCH_CHECKPOINT
+from ..selective import honour_offload
+from ..storage import BoundaryOffload, boundary_offload, get_defaults
 
 USE_REENTRANT_WARNING = (
     "torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly. Starting in PyTorch 2.9, "
@@ -56,9 +68,38 @@ class _Routes:
     everything: bool = False
     callers: tuple[str, ...] = ()
     """Prefixes of the modules whose calls are routed when not ``everything``."""
+    policies: bool = False
+    """Route every call given a ``context_fn`` (a selective-checkpoint policy may offload)."""
 
 
 _routes = _Routes()
+
+POLICY_ORIGIN = "torch.utils.checkpoint policy"
+"""How ``acshim run --report`` names the storage scope of torch's offload policies."""
+
+_policy_scopes: dict[tuple[object, ...], BoundaryOffload] = {}
+
+
+def policy_scope() -> BoundaryOffload:
+    """The storage scope the offload decisions of routed calls go to: one per tier setting
+    (``ACSHIM_OFFLOAD_STORAGE`` / ``ACSHIM_OFFLOAD_DIR``, else ``acshim.storage.get_defaults()``),
+    so every region of a step shares one prefetch schedule."""
+    storage, directory = offload_storage()
+    key = (storage, directory, get_defaults())
+    scope = _policy_scopes.get(key)
+    if scope is None:
+        _policy_scopes.clear()
+        # horizon 0: every offloaded output leaves in forward and comes back when its recompute needs
+        # it, so held memory is never above full recompute's (a horizon H keeps the last H regions'
+        # outputs resident); a script wanting overlap uses acshim.selective.offload_policies(prefetch=H)
+        scope = _policy_scopes[key] = boundary_offload(storage, 0, directory)
+        scope.session.origin = POLICY_ORIGIN
+    return scope
+
+
+def _has_policy(kwargs: dict[str, Any]) -> bool:
+    context_fn = kwargs.get("context_fn")
+    return context_fn is not None and context_fn is not torch_checkpoint.noop_context_fn
 
 
 @functools.wraps(TORCH_CHECKPOINT)
@@ -72,8 +113,12 @@ def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: b
     if use_reentrant is None:  # torch's warning, at the caller's line (torch's own would point here)
         warnings.warn(USE_REENTRANT_WARNING, stacklevel=2)
         use_reentrant = True
-    if not _routes.everything and not sys._getframe(1).f_globals.get("__name__", "").startswith(_routes.callers):
+    policy = _has_policy(kwargs)
+    if not (_routes.everything or (policy and _routes.policies)
+            or sys._getframe(1).f_globals.get("__name__", "").startswith(_routes.callers)):
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
+    if policy and not use_reentrant:  # torch's reentrant variant rejects a context_fn: its error, below
+        kwargs["context_fn"] = honour_offload(kwargs["context_fn"], policy_scope())
     return dropin.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
@@ -97,6 +142,22 @@ def route_torch_checkpoint(callers: tuple[str, ...] | None = None) -> bool:
     return True
 
 
+def route_offload_policies() -> bool:
+    """Send the calls given a ``context_fn`` to the engine, where offload policies offload (see the
+    module). False when nothing changed (already routed, or something else replaced torch's function)."""
+    if torch_checkpoint.checkpoint not in (TORCH_CHECKPOINT, routed_checkpoint) or _routes.policies:
+        return False
+    _routes.policies = True
+    torch_checkpoint.checkpoint = routed_checkpoint
+    return True
+
+
+def unroute_offload_policies() -> None:
+    """Undo ``route_offload_policies``; torch's own ``checkpoint`` is back once nothing is routed."""
+    _routes.policies = False
+    _restore_if_unrouted()
+
+
 def unroute_torch_checkpoint(callers: tuple[str, ...] | None = None) -> None:
     """Undo ``route_torch_checkpoint`` with the same ``callers``; torch's own ``checkpoint`` is back
     once nothing is routed."""
@@ -104,5 +165,10 @@ def unroute_torch_checkpoint(callers: tuple[str, ...] | None = None) -> None:
         _routes.everything = False
     else:
         _routes.callers = tuple(prefix for prefix in _routes.callers if prefix not in callers)
-    if not _routes.everything and not _routes.callers and torch_checkpoint.checkpoint is routed_checkpoint:
+    _restore_if_unrouted()
+
+
+def _restore_if_unrouted() -> None:
+    if not (_routes.everything or _routes.callers or _routes.policies) \
+            and torch_checkpoint.checkpoint is routed_checkpoint:
         torch_checkpoint.checkpoint = TORCH_CHECKPOINT

@@ -13,10 +13,34 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+class BetweenBudget(float):
+    """A budget as torch's ``activation_memory_budget`` means it (``torch._functorch.config``, set by
+    torchtitan's ``MemoryBudgetAC``): 0.0 is the peak of full recompute (every block recomputed), 1.0
+    the peak without checkpointing, linear between. ``acshim.plan`` and ``--budget`` fractions are
+    of the peak without checkpointing instead."""
+
+    def __new__(cls, value: float) -> BetweenBudget:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"memory_budget must be a number in [0, 1] (0: full recompute's activation memory, "
+                             f"1: no checkpointing's), got {value!r}")
+        return super().__new__(cls, value)
+
+    def __str__(self) -> str:
+        return f"memory_budget={float(self)}"
+
+    def between(self, full_recompute: int, none: int) -> int:
+        """Bytes: this share of the way from full recompute's peak to no checkpointing's."""
+        return max(1, int(full_recompute + float(self) * max(0, none - full_recompute)))
+
+
 def parse_budget(budget: int | float | str, reference_bytes: int | None = None) -> int:
     """Bytes for ``budget``: an int (bytes), a size string ("1.5GiB", "800MB", "123456"), or a float
     in (0, 1] (or a string such as "0.3") meaning that fraction of ``reference_bytes`` (the step's
     peak activation memory without checkpointing). Raises ``ValueError`` for anything else."""
+    if isinstance(budget, BetweenBudget):
+        if reference_bytes is None:
+            raise ValueError("a fractional budget needs the reference activation memory")
+        return budget.between(reference_bytes, reference_bytes)  # one reference: see BetweenBudget.between
     if isinstance(budget, bool):
         raise TypeError(f"budget must be bytes, a size string or a fraction, got {budget!r}")
     if isinstance(budget, str):

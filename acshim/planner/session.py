@@ -45,7 +45,7 @@ from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
 from .aliases import parameters_aliased
-from .budget import budget_at_least, format_bytes, parse_budget
+from .budget import BetweenBudget, budget_at_least, format_bytes, parse_budget
 from .choices import (
     BASE_CHOICES,
     SharedOffload,
@@ -77,7 +77,7 @@ from .sites import (
     world_size,
 )
 from .snapshot import ModelSnapshot
-from .solver import BudgetTooSmall, fastest
+from .solver import BudgetTooSmall, fastest, rounded_peak
 from .steps import StepStart
 from .warmup import warm_up
 
@@ -224,7 +224,10 @@ class PlanSession:
     def _site(self, index: int, function: Callable[..., Any], options: RegionOptions) -> RegionSite:
         if index < len(self.sites):
             return self.sites[index]
-        site = RegionSite(function, _owning_module(function), dialect_of_caller(), describe(options))
+        owner = _owning_module(function)
+        # a facade that made the region marks its module (acshim_dialect); else the API that called it
+        site = RegionSite(function, owner, getattr(owner, "acshim_dialect", None) or dialect_of_caller(),
+                          describe(options))
         self.sites.append(site)
         return site
 
@@ -445,15 +448,18 @@ class PlanSession:
         self._profiler = profiler
         try:
             with profiler:
-                profile = self.reuse if self.reuse is not None else self._profile(root, profiler, fraction, limit)
+                # a BetweenBudget's bytes are unknown until full recompute's peak is: the guards while
+                # profiling stop at no checkpointing's peak, the plan is solved and verified within it
+                guard = 1.0 if isinstance(self.budget, BetweenBudget) else fraction
+                profile = self.reuse if self.reuse is not None else self._profile(root, profiler, guard, limit)
                 fractional = limit is None and fraction is not None
                 if fractional:
-                    limit = _fraction_in_bytes(self.budget, profile)
+                    limit = _fraction_in_bytes(self.budget, profile, profiler.used())
                 profiler.set_limit(limit)
                 if profiler.pending():
                     _measure_within_reach(profile, profiler, limit)
                     if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
-                        limit = _fraction_in_bytes(self.budget, profile)
+                        limit = _fraction_in_bytes(self.budget, profile, profiler.used())
                         profiler.set_limit(limit)
                 profiler.drop_copies()
 
@@ -708,9 +714,16 @@ def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int
     profile.unmeasured = sorted(profiler.pending())
 
 
-def _fraction_in_bytes(budget: Any, profile: Profile) -> int:
-    """A fractional budget in bytes: that share of no checkpointing's peak as the profile estimates it."""
-    return parse_budget(budget, reference(profile)[0] or profile.recompute_step.get("peak", 0))
+def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
+    """A fractional budget in bytes: that share of no checkpointing's peak as the profile estimates it
+    (a ``BetweenBudget``: that share of the way from full recompute's predicted peak to it, plus
+    ``overhead``, what the process holds besides the activations: torch's budget counts activations
+    only, and full recompute, its 0.0, must stay reachable)."""
+    none = reference(profile)[0] or profile.recompute_step.get("peak", 0)
+    if isinstance(budget, BetweenBudget):
+        full = rounded_peak(profile, ["recompute"] * len(profile.blocks)) if "recompute" in profile.choices else 0
+        return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
+    return parse_budget(budget, none)
 
 
 def _fresh_baseline(memory: ProcessMemory) -> int:

@@ -96,6 +96,9 @@ class OffloadActivations:
         >>> loss.backward()
     """
 
+    origin = "acshim.offload"
+    """The API this scope stands for, named by ``acshim run --report`` (facades set their dialect)."""
+
     def __init__(self, storage: str | None = None, prefetch: int | None = None, directory: str | None = None,
                  min_bytes: int | None = None, *, direct: bool | None = None, native: bool | None = None,
                  backend: Backend | None = None) -> None:
@@ -112,6 +115,7 @@ class OffloadActivations:
 
     def __enter__(self) -> OffloadActivations:
         session = self.options.session(self._tier, per_tensor_groups=True)
+        session.origin = self.origin
         hooks = saved_tensors_hooks(session.pack, session.unpack)
         BUFFERS.enter()  # note the buffers of the modules this forward calls: they stay
         try:

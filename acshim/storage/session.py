@@ -152,6 +152,8 @@ class OffloadSession:
     (``offload()``); otherwise the owner calls ``start_group()`` per region (``boundary_offload``)."""
 
     PRUNE_SEEN_AT = 1024
+    origin = "acshim"
+    """The API that opened this scope (a facade's dialect), named by ``acshim run --report``."""
 
     def __init__(self, storage: str, prefetch: int, min_bytes: int, tier: Tier,
                  backend: Backend | None = None, per_tensor_groups: bool = True) -> None:

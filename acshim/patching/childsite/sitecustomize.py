@@ -3,7 +3,7 @@
 Python imports ``sitecustomize`` at start-up. With ``ACSHIM_PATCH_CHILDREN=1`` in the environment
 this one puts a small finder on ``sys.meta_path`` that calls ``acshim.patching.install()`` the
 first time the process imports one of the upstream names acshim serves (``deepspeed``,
-``fairscale``, ``smdistributed``, ``torch.sagemaker``, ``modalities``, PyTorch's checkpoint_wrapper,
+``fairscale``, ``smdistributed``, ``torch.sagemaker``, ``modalities``, ``torchtune``, ``trl``, PyTorch's checkpoint_wrapper,
 ``transformers``, ``accelerate``). Processes that never import them (multiprocessing's resource
 tracker, build tools) never import torch because of acshim. Any other ``sitecustomize`` on the path still runs.
 
@@ -28,6 +28,8 @@ TRIGGER_NAMES = (
     "modalities",
     "torchtune",
     "megatron",
+    "trl",
+    "torchtitan",
     "transformers",
     "accelerate",
 )

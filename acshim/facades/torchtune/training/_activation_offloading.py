@@ -33,6 +33,8 @@ class OffloadActivations(_EngineOffload):
     """Context manager: activations saved for backward inside it leave memory for the storage tier
     and come back, prefetched and bitwise, in backward (torchtune's arguments; see the module)."""
 
+    origin = "torchtune"
+
     def __init__(self, use_pin_memory: bool = True, use_streams: bool | None = None, max_fwd_stash_size: int = 5,
                  min_offload_size: int = 1024) -> None:
         self.use_streams = True if use_streams is None else use_streams

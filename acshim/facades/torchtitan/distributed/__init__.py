@@ -1,0 +1,1 @@
+"""``torchtitan.distributed`` as far as activation checkpointing needs it."""
