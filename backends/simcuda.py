@@ -17,7 +17,23 @@ poisons, every use that real hardware would be free to get wrong:
   reader gets NaN (0xFF bytes): a missing ``wait_event`` turns into a wrong gradient.
 - **Device memory follows the caching allocator's rule**: memory used on a stream other than the one
   it was allocated on (or produced on) must be ``record_stream``-ed for that stream if it is freed
-  while that use may still be pending. A copy whose source the program freed without it reads NaN.
+  while that use may still be pending, unless its own stream was made to wait for that use before
+  the free (a stream-ordered free: the next allocation on that stream comes after the use). A copy whose source the program freed without it reads NaN.
+- **The caching allocator's pools** (issue 27): each ``empty`` takes a free block of its stream's
+  pool or reserves a new one; a freed block returns to its stream's pool at once, unless it was
+  ``record_stream``-ed: then only once the *host* has seen the work its free-time events stand for
+  finish (a synchronisation or a query that found it done). The device is modelled as running behind
+  the host by as much as the ordering allows (in lazy order, a whole backward): nothing is seen
+  finished that the host did not wait for. ``reserved_bytes``/``peak_reserved_bytes`` are what
+  ``torch.cuda.max_memory_reserved()`` would report for the memory the backend allocates.
+- **Host memory**: ``pin`` is page-locked (asynchronous copies); memory marked ``pageable`` makes a
+  copy synchronous (the host waits for it, as CUDA does); ``record_stream`` on host memory raises, as
+  torch does for a CPU tensor. ``unpin`` of memory not pinned is a violation.
+- **Devices**: every call on a thread other than the one that built the simulator must come under
+  ``device()`` (a worker thread starts on device 0: CUDA would create a context there); ``pin``
+  records the device current at registration (``pinned_on``).
+- **Graph capture**: inside ``capture()``, ``is_capturing`` is True and host synchronisation,
+  ``query`` and ``pin``/``unpin`` raise, as CUDA's stream capture does.
 - **Pinned memory is counted** (allocations and bytes) for the pool's tests.
 
 Violations are collected in ``violations``; tests assert it stays empty. The latency-only
@@ -99,8 +115,8 @@ class _Storage:
 class SimStream:
     """A simulated stream: ``wait_event``, ``wait_stream``, ``synchronize``, ``query``."""
 
-    def __init__(self, sim: SimulatedCuda, name: str) -> None:
-        self.sim, self.name = sim, name
+    def __init__(self, sim: SimulatedCuda, name: str, device: int = 0) -> None:
+        self.sim, self.name, self.device = sim, name, device
         self.id = len(sim._streams) + 1
         self.issued = 0
         self.executed = 0
@@ -120,12 +136,12 @@ class SimStream:
         self.wait_event(event)
 
     def synchronize(self) -> None:
-        with self.sim._api("stream.synchronize"):
+        with self.sim._api("stream.synchronize", capturable=False):
             clock = self.sim._snapshot(self)
             self.sim._host_sync(clock)
 
     def query(self) -> bool:
-        with self.sim._api("stream.query"):
+        with self.sim._api("stream.query", capturable=False):
             return self.sim._query(self.sim._snapshot(self))
 
     def __repr__(self) -> str:
@@ -144,14 +160,14 @@ class SimEvent:
             self.clock = self.sim._snapshot(stream if stream is not None else self.sim._current())
 
     def synchronize(self) -> None:
-        with self.sim._api("event.synchronize"):
+        with self.sim._api("event.synchronize", capturable=False):
             if self.sim.fail_synchronize is not None:
                 raise self.sim.fail_synchronize
             if self.clock is not None:
                 self.sim._host_sync(self.clock)
 
     def query(self) -> bool:
-        with self.sim._api("event.query"):
+        with self.sim._api("event.query", capturable=False):
             return self.clock is None or self.sim._query(self.clock)
 
 
@@ -186,6 +202,19 @@ class SimulatedCuda:
         real GPU still holds for them while the host runs ahead: what back-pressure must bound)."""
         self.peak_pending_out_bytes = 0
         self._outs: deque[tuple[int, int, int]] = deque()
+        self.blocks: dict[int, tuple[int, int]] = {}
+        """Caching allocator: storage key -> (stream id, block bytes) of live ``empty`` blocks."""
+        self._pools: dict[int, list[int]] = {}
+        self._deferred: list[tuple[int, int, Clock]] = []
+        """Blocks freed after ``record_stream``: (stream, bytes, free-time positions to be seen done)."""
+        self.reserved_bytes = self.peak_reserved_bytes = 0
+        self.allocated_bytes = self.peak_allocated_bytes = 0
+        self._owner_thread = threading.get_ident()
+        self._capturing = 0
+        self.pinned_on: list[int] = []
+        """The current device at each ``pin``."""
+        self._pinned: set[int] = set()
+        self._pageable: set[int] = set()
         self.synchronized_by: dict[str, int] = {}
         """Host synchronisations (event or stream) per thread name."""
         self.fail_synchronize: BaseException | None = None
@@ -195,7 +224,7 @@ class SimulatedCuda:
 
     def Stream(self, device: Any = None) -> SimStream:
         with self._api("Stream"):
-            return SimStream(self, f"side{len(self._streams)}")
+            return SimStream(self, f"side{len(self._streams)}", _index(device, self._device()))
 
     def Event(self) -> SimEvent:
         return SimEvent(self)
@@ -208,31 +237,82 @@ class SimulatedCuda:
         stack = self._stack()
         stack.append(stream)
         try:
-            yield stream
+            with self.device(stream.device):  # torch.cuda.stream() makes the stream's device current
+                yield stream
         finally:
             stack.pop()
 
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        """``torch.cuda.device(device)``: the calling thread's current device inside the block."""
+        local = self._local
+        outer = getattr(local, "device", None)
+        local.device = _index(device, 0)
+        try:
+            yield
+        finally:
+            local.device = outer
+
+    def _device(self) -> int:
+        device = getattr(self._local, "device", None)
+        return 0 if device is None else device
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Stream capture (``torch.cuda.graph``) on every stream while inside (this simulator)."""
+        self._capturing += 1
+        try:
+            yield
+        finally:
+            self._capturing -= 1
+
+    def is_capturing(self, device: Any = None) -> bool:
+        return self._capturing > 0
+
+    def is_device_tensor(self, tensor: torch.Tensor, device: Any = None) -> bool:
+        """Simulated device memory: any tensor but pinned or ``pageable`` host memory."""
+        key = tensor.untyped_storage()._cdata
+        return key not in self._pinned and key not in self._pageable
+
+    def pageable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mark ``tensor`` as ordinary (pageable) host memory: copies from or to it are synchronous."""
+        with self._api("pageable"):
+            self._storage(tensor, owner=None)
+            self._pageable.add(tensor.untyped_storage()._cdata)
+            return tensor
+
     def pin(self, nbytes: int) -> torch.Tensor:
-        with self._api("pin"):
+        with self._api("pin", capturable=False):
             self.pinned_allocations += 1
             self.pinned_bytes += nbytes
+            self.pinned_on.append(self._device())
             raw = torch.full((nbytes + PAGE,), POISON, dtype=torch.uint8)
             self._storage(raw, owner=None)
+            self._pinned.add(raw.untyped_storage()._cdata)
             shift = -raw.data_ptr() % PAGE
             return raw[shift:shift + nbytes]  # page-aligned, as cudaHostRegister-ed mappings are
 
     def unpin(self, tensor: torch.Tensor) -> None:
-        with self._api("unpin"):
+        with self._api("unpin", capturable=False):
+            key = tensor.untyped_storage()._cdata
+            if key not in self._pinned:
+                self._violate("unpin", "unregistering memory that is not registered")
+                return
+            self._pinned.discard(key)
             self.pinned_bytes -= tensor.numel()
 
     def empty(self, nbytes: int, device: Any = None) -> torch.Tensor:
         with self._api("empty"):
+            stream = self._current()
             tensor = torch.full((nbytes,), POISON, dtype=torch.uint8)  # never-written memory reads as NaN
-            self._storage(tensor, owner=self._current().id)
+            state = self._storage(tensor, owner=stream.id)
+            self.blocks[state.key] = (stream.id, self._allocate(stream.id, nbytes))
             return tensor
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         with self._api("record_stream"):
+            if not self.is_device_tensor(tensor):
+                raise RuntimeError("record_stream: expected a CUDA tensor, got host memory (torch raises here too)")
             self._storage(tensor, owner=self.default_stream.id).recorded.add(stream.id)
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -243,6 +323,8 @@ class SimulatedCuda:
             writes = [self._range(destination, default_owner=stream.id)]
             op = self._issue(stream, lambda: destination.copy_(source), reads, writes, [destination, source],
                              f"copy {source.numel()} B on {stream.name}")
+            if reads[0][0] in self._pageable or writes[0][0] in self._pageable:  # not pinned: synchronous
+                self._host_sync(self._snapshot(stream))
             if self._storages[writes[0][0]].owner is None and self._storages[reads[0][0]].owner is not None:
                 self._outs.append((stream.id, op.position, source.numel()))  # device -> pinned host
                 self.pending_out_bytes += source.numel()
@@ -332,9 +414,14 @@ class SimulatedCuda:
     # ---------------------------------------------------------------------------- internals
 
     @contextlib.contextmanager
-    def _api(self, name: str) -> Iterator[None]:
+    def _api(self, name: str, capturable: bool = True) -> Iterator[None]:
         local = self._local
         outer = getattr(local, "busy", False)
+        if not capturable and self._capturing:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({name})")
+        if not outer and threading.get_ident() != self._owner_thread and getattr(local, "device", None) is None:
+            self._violate("no device guard", f"{name} on thread {threading.current_thread().name}, which never set "
+                          "a device: CUDA makes device 0 current there (a context on GPU 0 for every rank)")
         with self._lock:
             local.busy = True
             try:
@@ -387,10 +474,52 @@ class SimulatedCuda:
         span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
         return state.key, start, start + span * size
 
+    def _allocate(self, stream: int, nbytes: int) -> int:
+        """The caching allocator: a free block of ``stream``'s pool (best fit) or a new reserved one."""
+        size = max(512, -(-nbytes // 512) * 512)
+        self._collect_deferred()
+        pool = self._pools.setdefault(stream, [])
+        fits = [block for block in pool if block >= size]
+        if fits:
+            block = min(fits)
+            pool.remove(block)
+        else:
+            block = size
+            self.reserved_bytes += block
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        self.allocated_bytes += block
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return block
+
+    def _collect_deferred(self) -> None:
+        still = []
+        for stream, block, clock in self._deferred:
+            if all(_covers(self._host, other, position) for other, position in clock.items()):
+                self._pools.setdefault(stream, []).append(block)
+            else:
+                still.append((stream, block, clock))
+        self._deferred = still
+
+    def _free_blocks(self) -> None:
+        for key, (stream, block) in list(self.blocks.items()):
+            state = self._storages[key]
+            if not self._freed_by_program(state):
+                continue
+            del self.blocks[key]
+            self.allocated_bytes -= block
+            recorded = {other: self._streams[other].issued for other in state.recorded if other != stream}
+            if recorded:  # free-time events on the recorded streams: reusable once seen done
+                self._deferred.append((stream, block, recorded))
+            else:
+                self._pools.setdefault(stream, []).append(block)
+
     def _prune(self) -> None:
         for key in [key for key, state in self._storages.items()
-                    if torch.UntypedStorage._expired(key) and key not in self._watched and not state.held]:
+                    if torch.UntypedStorage._expired(key) and key not in self._watched and not state.held
+                    and key not in self.blocks]:
             del self._storages[key]
+            self._pinned.discard(key)
+            self._pageable.discard(key)
             torch.UntypedStorage._free_weak_ref(key)
 
     def _issue(self, stream: SimStream, run: Callable[[], None], reads: list[Any], writes: list[Any],
@@ -447,13 +576,16 @@ class SimulatedCuda:
 
     def _poll(self) -> None:
         """Storages the program freed: was each use on another stream finished or recorded?"""
+        self._free_blocks()
         for key, state in list(self._watched.items()):
             if not self._freed_by_program(state):
                 continue
             state.freed = True
             del self._watched[key]
+            owner = self._streams[state.owner].after  # freed in stream order: the owner waited for the use
             for stream, position in state.uses:
-                if stream not in state.recorded and not _covers(self._host, stream, position):
+                if stream not in state.recorded and not _covers(self._host, stream, position) \
+                        and not _covers(owner, stream, position):
                     name = self._streams[stream].name
                     self._violate("freed while in use", f"memory owned by {self._name(state.owner)} freed while op "
                                   f"{position} of {name} may still use it, and no record_stream({name})")
@@ -528,6 +660,15 @@ class SimulatedCuda:
         self._execute(op)
         stream.executed = op.position
         return True
+
+
+def _index(device: Any, default: int) -> int:
+    if device is None:
+        return default
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.type == "cuda" and device.index is not None else 0
 
 
 class _ComputeMode(TorchDispatchMode):
