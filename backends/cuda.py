@@ -46,6 +46,7 @@ needed (``tests/tools/mutate_cuda.py``). Not run on a GPU yet (none is available
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from concurrent.futures import Future
@@ -84,6 +85,12 @@ CAPTURE_ERROR = (
     "around it, or offload outside the captured function), or compile without cudagraphs (mode='default').")
 
 
+def _pin_on(runtime: CudaRuntime, device: torch.device, nbytes: int) -> torch.Tensor:
+    """``runtime.pin`` under ``device`` (pool growth may happen on a worker thread)."""
+    with runtime.device(device):
+        return runtime.pin(nbytes)
+
+
 def _unpin_pools(runtime: CudaRuntime, streams: tuple[Any, ...], pools: tuple[PinnedPool, ...],
                  device: torch.device) -> None:
     """Wait for the side streams, then unregister every slab of ``pools`` (close and collection)."""
@@ -104,9 +111,10 @@ class CudaBackend(Backend):
         with self._on_device():
             self._d2h = self.runtime.Stream(self.device)
             self._h2d = self.runtime.Stream(self.device)
-        self.host_pool = PinnedPool(self._pin)
+        pin = functools.partial(_pin_on, self.runtime, self.device)  # not a bound method: the finalizer
+        self.host_pool = PinnedPool(pin)  # below holds the pools, and must not keep the backend alive
         """The host tier's slots."""
-        self.staging = PinnedPool(self._pin, alignment=ALIGNMENT, capacity=staging_bytes,
+        self.staging = PinnedPool(pin, alignment=ALIGNMENT, capacity=staging_bytes,
                                   min_slab=min(STAGING_SLAB_BYTES, staging_bytes))
         """The disk tier's staging regions (aligned for O_DIRECT, bounded)."""
         self._io = WorkerPool(workers)
@@ -119,10 +127,6 @@ class CudaBackend(Backend):
     def _on_device(self) -> AbstractContextManager[Any]:
         """This backend's device made current on the calling thread (workers start on device 0)."""
         return self.runtime.device(self.device)
-
-    def _pin(self, nbytes: int) -> torch.Tensor:
-        with self._on_device():
-            return self.runtime.pin(nbytes)
 
     def handles(self, data: torch.Tensor) -> bool:
         return self.runtime.is_device_tensor(data, self.device)
@@ -267,14 +271,14 @@ class CudaBackend(Backend):
         """Free the reload buffers nothing but this backend holds any more, in stream order: the H2D
         stream (their allocation stream) waits for their consumer's work issued so far, then they are
         dropped; the allocator hands their blocks to the next reloads at once (stream-ordered reuse)."""
-        with self._lent_lock:
+        with self._lent_lock:  # held until they are dropped: a reload issued meanwhile finds their blocks
             if not self._lent:
                 return
             done, self._lent = _split_unused(self._lent)
-        for consumer in {id(stream): stream for _, stream in done}.values():
-            with self._on_device():
-                self._h2d.wait_stream(consumer)
-        done.clear()
+            for consumer in {id(stream): stream for _, stream in done}.values():
+                with self._on_device():
+                    self._h2d.wait_stream(consumer)
+            done.clear()
 
     def release(self, stored: Ticket, tier: Tier) -> None:
         if isinstance(stored.pending, Future):

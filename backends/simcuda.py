@@ -14,7 +14,9 @@ poisons, every use that real hardware would be free to get wrong:
 - **Compute is eager.** Under ``compute()`` (a ``TorchDispatchMode``) every torch op is an op of the
   current stream that runs at once: first everything that stream was ordered after runs, then the
   op. Reading bytes whose last writer is not ordered before the reader is a violation and the
-  reader gets NaN (0xFF bytes): a missing ``wait_event`` turns into a wrong gradient.
+  reader gets NaN (0xFF bytes): a missing ``wait_event`` turns into a wrong gradient. A copy that
+  writes bytes an earlier copy on another stream may still be reading (not ordered after it) is a
+  violation too ("overwritten while read"; the writer's bytes are poisoned).
 - **Device memory follows the caching allocator's rule**: memory used on a stream other than the one
   it was allocated on (or produced on) must be ``record_stream``-ed for that stream if it is freed
   while that use may still be pending, unless its own stream was made to wait for that use before
@@ -104,6 +106,8 @@ class _Storage:
     """Stream it was allocated (or produced) on; None for pinned host memory (not the allocator's)."""
     writes: list[tuple[int, int, int, int]] = field(default_factory=list)
     """(start, end, stream, position) of writes not superseded."""
+    reads: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(start, end, stream, position) of the latest copies reading it (a later write must follow them)."""
     uses: list[tuple[int, int]] = field(default_factory=list)
     """(stream, position) of uses on streams other than ``owner``."""
     recorded: set[int] = field(default_factory=set)
@@ -216,7 +220,7 @@ class SimulatedCuda:
         self._pinned: set[int] = set()
         self._pageable: set[int] = set()
         self.synchronized_by: dict[str, int] = {}
-        """Host synchronisations (event or stream) per thread name."""
+        """Host synchronisations (event or stream) that had to wait for unfinished work, per thread name."""
         self.fail_synchronize: BaseException | None = None
         """Set to make every ``Event.synchronize`` raise it (a CUDA error, for error-path tests)."""
 
@@ -535,8 +539,18 @@ class SimulatedCuda:
                 op.poisoned = True
                 self._violate("read before written", f"{description} reads {problem}")
             self._note_use_key(key, stream, op.position)
+            read_by = self._storages[key].reads
+            read_by.append((start, end, stream.id, op.position))
+            del read_by[:-64]
         for key, start, end in writes:
-            self._write(self._storages[key], start, end, stream.id, op.position)
+            state = self._storages[key]
+            for r_start, r_end, r_stream, r_position in state.reads:
+                if r_start < end and start < r_end and r_stream != stream.id and not _covers(clock, r_stream, r_position):
+                    op.poisoned = True
+                    self._violate("overwritten while read", f"{description} writes bytes [{start}, {end}) that op "
+                                  f"{r_position} of {self._streams[r_stream].name} may still be reading")
+                    break
+            self._write(state, start, end, stream.id, op.position)
             self._note_use_key(key, stream, op.position)
         for tensor in holds:
             self._storages[tensor.untyped_storage()._cdata].held += 1
@@ -637,8 +651,9 @@ class SimulatedCuda:
         return done
 
     def _host_sync(self, clock: Clock) -> None:
-        name = threading.current_thread().name
-        self.synchronized_by[name] = self.synchronized_by.get(name, 0) + 1
+        if not all(self._streams[stream].executed >= position for stream, position in clock.items()):
+            name = threading.current_thread().name  # a wait for work not done yet: the host blocks
+            self.synchronized_by[name] = self.synchronized_by.get(name, 0) + 1
         self._run_clock(clock)
         self._host_saw(clock)
 
