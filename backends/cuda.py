@@ -108,9 +108,8 @@ class CudaBackend(Backend):
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.device = torch.device(device)
         self.runtime = runtime if runtime is not None else TorchCudaRuntime()
-        with self._on_device():
-            self._d2h = self.runtime.Stream(self.device)
-            self._h2d = self.runtime.Stream(self.device)
+        self._d2h = self.runtime.Stream(self.device)
+        self._h2d = self.runtime.Stream(self.device)
         pin = functools.partial(_pin_on, self.runtime, self.device)  # not a bound method: the finalizer
         self.host_pool = PinnedPool(pin)  # below holds the pools, and must not keep the backend alive
         """The host tier's slots."""
@@ -298,13 +297,13 @@ class CudaBackend(Backend):
         return None if tier.kind == "disk" else requested
 
     def close(self) -> None:
-        """Stop the workers, free the reload buffers, wait for the side streams and unpin every slab."""
+        """Stop the workers, give back the reload buffers, wait for the side streams, unpin every slab."""
         self._io.shutdown()
-        self._retire()
         with self._lent_lock:
             lent, self._lent = self._lent, []
-        for buffer, consumer in lent:  # still used by a graph: the allocator's rule for what outlives us
-            self.runtime.record_stream(buffer, consumer)
+        with self._on_device():  # close may run on any thread
+            for buffer, consumer in lent:  # a graph may still use them: the allocator's rule
+                self.runtime.record_stream(buffer, consumer)
         self._unpin()
 
 

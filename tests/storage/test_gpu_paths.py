@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import threading
 
 import pytest
 import torch
@@ -180,6 +181,26 @@ def test_pinned_memory_is_unregistered_on_close_and_on_collection(storage, disk_
                 gc.collect()
             assert sim.pinned_bytes == 0, (close, sim.pinned_bytes)
             assert not sim.violations
+
+
+def test_close_on_another_thread_unpins_under_the_device_and_keeps_a_reload_in_use_safe():
+    sim = SimulatedCuda("lazy")
+    backend = CudaBackend(torch.device("cpu"), runtime=sim)
+    tier = HostTier()
+    data = torch.randn(4096).view(torch.uint8)
+    with sim.compute():
+        out = backend.copy_out(data, tier, backend.saved(data))
+        backend.wait(out)
+        reloaded = backend.wait(backend.copy_in(out, tier))  # still used by "backward" when the backend closes
+        used = reloaded.view(torch.float32) * 2
+        closer = threading.Thread(target=backend.close, name="closer")
+        closer.start()
+        closer.join()
+        assert sim.pinned_bytes == 0
+        del reloaded, out
+        _settled(sim)
+    assert not sim.violations, sim.violations
+    assert torch.equal(used, data.view(torch.float32) * 2)
 
 
 # ----------------------------------------------------------------------------------- 5. graph capture
