@@ -21,8 +21,10 @@ poisons, every use that real hardware would be free to get wrong:
   it was allocated on (or produced on) must be ``record_stream``-ed for that stream if it is freed
   while that use may still be pending, unless its own stream was made to wait for that use before
   the free (a stream-ordered free: the next allocation on that stream comes after the use). A copy whose source the program freed without it reads NaN.
-- **The caching allocator's pools** (issue 27): each ``empty`` takes a free block of its stream's
-  pool or reserves a new one; a freed block returns to its stream's pool at once, unless it was
+- **The caching allocator's pools** (issue 27): each ``empty`` takes the best-fitting free range of
+  its stream's segments (split; freed ranges coalesce) or reserves a new segment of its size (the
+  real allocator's 2 MiB / 20 MiB segment rounding is not modelled: a constant per stream); a freed
+  block returns to its stream's segments at once, unless it was
   ``record_stream``-ed: then only once the *host* has seen the work its free-time events stand for
   finish (a synchronisation or a query that found it done). The device is modelled as running behind
   the host by as much as the ordering allows (in lazy order, a whole backward): nothing is seen
@@ -206,11 +208,12 @@ class SimulatedCuda:
         real GPU still holds for them while the host runs ahead: what back-pressure must bound)."""
         self.peak_pending_out_bytes = 0
         self._outs: deque[tuple[int, int, int]] = deque()
-        self.blocks: dict[int, tuple[int, int]] = {}
-        """Caching allocator: storage key -> (stream id, block bytes) of live ``empty`` blocks."""
-        self._pools: dict[int, list[int]] = {}
-        self._deferred: list[tuple[int, int, Clock]] = []
-        """Blocks freed after ``record_stream``: (stream, bytes, free-time positions to be seen done)."""
+        self.blocks: dict[int, tuple[int, Any]] = {}
+        """Caching allocator: storage key -> (stream id, block) of live ``empty`` blocks."""
+        self._pools: dict[int, list[list[list[int]]]] = {}
+        """Per stream: its segments, each ``[[size], [offset, length] of each free range...]``."""
+        self._deferred: list[tuple[Any, Clock]] = []
+        """Blocks freed after ``record_stream``: (block, free-time positions the host must see done)."""
         self.reserved_bytes = self.peak_reserved_bytes = 0
         self.allocated_bytes = self.peak_allocated_bytes = 0
         self._owner_thread = threading.get_ident()
@@ -478,30 +481,54 @@ class SimulatedCuda:
         span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
         return state.key, start, start + span * size
 
-    def _allocate(self, stream: int, nbytes: int) -> int:
-        """The caching allocator: a free block of ``stream``'s pool (best fit) or a new reserved one."""
+    def _allocate(self, stream: int, nbytes: int) -> tuple[list[list[int]], int, int]:
+        """The caching allocator: the best-fitting free range of ``stream``'s segments (split), or a
+        new segment of the request's size (512-byte granularity). Returns (segment, offset, size)."""
         size = max(512, -(-nbytes // 512) * 512)
         self._collect_deferred()
-        pool = self._pools.setdefault(stream, [])
-        fits = [block for block in pool if block >= size]
-        if fits:
-            block = min(fits)
-            pool.remove(block)
-        else:
-            block = size
-            self.reserved_bytes += block
+        segments = self._pools.setdefault(stream, [])
+        best: tuple[int, list[list[int]], int] | None = None
+        for segment in segments:
+            for index, (offset, length) in enumerate(segment[1:]):
+                if length >= size and (best is None or length < best[1][index + 1][1]):
+                    best = (index + 1, segment, offset)
+        if best is None:
+            segment = [[size], [0, size]]  # [[segment size], free ranges [offset, length]...]
+            segments.append(segment)
+            self.reserved_bytes += size
             self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
-        self.allocated_bytes += block
+            best = (1, segment, 0)
+        index, segment, offset = best
+        length = segment[index][1]
+        if length > size:
+            segment[index] = [offset + size, length - size]
+        else:
+            del segment[index]
+        self.allocated_bytes += size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
-        return block
+        return segment, offset, size
+
+    @staticmethod
+    def _give_back(block: tuple[list[list[int]], int, int]) -> None:
+        segment, offset, size = block
+        free = segment[1:]
+        free.append([offset, size])
+        free.sort()
+        merged: list[list[int]] = []
+        for start, length in free:  # coalesce neighbours, as the allocator does
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1][1] += length
+            else:
+                merged.append([start, length])
+        segment[1:] = merged
 
     def _collect_deferred(self) -> None:
         still = []
-        for stream, block, clock in self._deferred:
+        for block, clock in self._deferred:
             if all(_covers(self._host, other, position) for other, position in clock.items()):
-                self._pools.setdefault(stream, []).append(block)
+                self._give_back(block)
             else:
-                still.append((stream, block, clock))
+                still.append((block, clock))
         self._deferred = still
 
     def _free_blocks(self) -> None:
@@ -510,12 +537,12 @@ class SimulatedCuda:
             if not self._freed_by_program(state):
                 continue
             del self.blocks[key]
-            self.allocated_bytes -= block
+            self.allocated_bytes -= block[2]
             recorded = {other: self._streams[other].issued for other in state.recorded if other != stream}
             if recorded:  # free-time events on the recorded streams: reusable once seen done
-                self._deferred.append((stream, block, recorded))
+                self._deferred.append((block, recorded))
             else:
-                self._pools.setdefault(stream, []).append(block)
+                self._give_back(block)
 
     def _prune(self) -> None:
         for key in [key for key, state in self._storages.items()
