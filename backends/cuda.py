@@ -199,12 +199,12 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------------------------- in
 
     def copy_in(self, stored: Ticket, tier: Tier) -> Ticket:
+        self._check_capture()
+        self._retire()  # the buffers backward is done with go back first: this reload may reuse one
         ticket = Ticket(nbytes=stored.nbytes, device=stored.device, source=stored)
         if isinstance(stored.pending, Future):  # disk: a worker reads, then uploads
             ticket.pending = self._io.submit(self._read_staged, tier, stored.pending, stored.nbytes)
             return ticket
-        self._check_capture()
-        self._retire()
         runtime = self.runtime
         self._h2d.wait_event(stored.pending)
         with runtime.stream(self._h2d):
@@ -255,7 +255,6 @@ class CudaBackend(Backend):
         elif ticket.source is None:
             pending.synchronize()  # back-pressure: the device bytes are free once their copy landed
             return None
-        self._retire()
         current = self.runtime.current_stream(self.device)
         current.wait_event(ticket.pending)
         self._lend(ticket.result, current)

@@ -55,12 +55,13 @@ def _settled(sim) -> None:
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_reload_buffers_stay_within_the_horizon_in_reserved_memory(sim_cuda, prefetch):
+@pytest.mark.parametrize("storage", ["host", "disk"])
+def test_reload_buffers_stay_within_the_horizon_in_reserved_memory(sim_cuda, storage, prefetch, disk_dir):
     sim, backend = sim_cuda
     x = torch.randn(ROWS, WIDTH, requires_grad=True)
     with sim.unchecked():
         expected = torch.autograd.grad(_chain(x), x)[0]
-    with offload("host", prefetch, min_bytes=0, backend=backend) as scope:
+    with offload(storage, prefetch, disk_dir, min_bytes=0, backend=backend) as scope:
         loss = _chain(x)
     got = torch.autograd.grad(loss, x)[0]
     assert torch.equal(got, expected)
