@@ -488,10 +488,11 @@ class SimulatedCuda:
         self._collect_deferred()
         segments = self._pools.setdefault(stream, [])
         best: tuple[int, list[list[int]], int] | None = None
+        best_length = 0
         for segment in segments:
             for index, (offset, length) in enumerate(segment[1:]):
-                if length >= size and (best is None or length < best[1][index + 1][1]):
-                    best = (index + 1, segment, offset)
+                if length >= size and (best is None or length < best_length):
+                    best, best_length = (index + 1, segment, offset), length
         if best is None:
             segment = [[size], [0, size]]  # [[segment size], free ranges [offset, length]...]
             segments.append(segment)
