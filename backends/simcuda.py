@@ -32,7 +32,8 @@ poisons, every use that real hardware would be free to get wrong:
   ``torch.cuda.max_memory_reserved()`` would report for the memory the backend allocates.
 - **Host memory**: ``pin`` is page-locked (asynchronous copies); memory marked ``pageable`` makes a
   copy synchronous (the host waits for it, as CUDA does); ``record_stream`` on host memory raises, as
-  torch does for a CPU tensor. ``unpin`` of memory not pinned is a violation.
+  torch does for a CPU tensor. ``unpin`` of memory not pinned, or while a queued copy may still use
+  it, is a violation.
 - **Devices**: every call on a thread other than the one that built the simulator must come under
   ``device()`` (a worker thread starts on device 0: CUDA would create a context there); ``pin``
   records the device current at registration (``pinned_on``).
@@ -305,6 +306,8 @@ class SimulatedCuda:
             if key not in self._pinned:
                 self._violate("unpin", "unregistering memory that is not registered")
                 return
+            if self._storages[key].held:  # a queued copy still reads or writes it
+                self._violate("unpinned while in use", "unregistering pinned memory a queued copy may still use")
             self._pinned.discard(key)
             self.pinned_bytes -= tensor.numel()
 

@@ -204,6 +204,26 @@ def test_close_on_another_thread_unpins_under_the_device_and_keeps_a_reload_in_u
     assert torch.equal(used, data.view(torch.float32) * 2)
 
 
+@pytest.mark.parametrize("storage", ["host", "disk"])
+def test_close_waits_for_queued_copies_before_unpinning(storage, disk_dir):
+    from acshim.storage.disk import DiskTier
+    from acshim.storage.native import file_io
+
+    sim = SimulatedCuda("lazy")
+    backend = CudaBackend(torch.device("cpu"), runtime=sim)
+    tier = HostTier() if storage == "host" else DiskTier(file_io(False), disk_dir)
+    data = torch.randn(4096).view(torch.uint8)
+    with sim.compute():
+        out = backend.copy_out(data, tier, backend.saved(data))  # queued on the D2H stream, never waited
+        if storage == "disk":
+            backend.wait(out)
+            reload = backend.copy_in(out, tier)
+            backend.wait(reload)
+        backend.close()
+        assert sim.pinned_bytes == 0
+    assert not sim.violations, sim.violations
+
+
 # ----------------------------------------------------------------------------------- 5. graph capture
 
 
