@@ -122,6 +122,7 @@ class CudaBackend(Backend):
         self._lent_lock = threading.Lock()
         self._unpin = weakref.finalize(self, _unpin_pools, self.runtime, (self._d2h, self._h2d),
                                        (self.host_pool, self.staging), self.device)
+        self._unpin.atexit = False  # at exit the process's memory goes anyway; CUDA may be torn down
 
     def _on_device(self) -> AbstractContextManager[Any]:
         """This backend's device made current on the calling thread (workers start on device 0)."""
@@ -165,23 +166,23 @@ class CudaBackend(Backend):
         if tier.kind == "host":
             ticket.slot, ticket.pending = region, landed
         else:
-            ticket.pending = self._io.submit(self._write_staged, tier, landed, region, nbytes, ready.stream)
+            ticket.pending = self._io.submit(self._write_staged, tier, landed, region, nbytes)
         return ticket
 
-    def _write_staged(self, tier: Tier, landed: Any, region: Region, nbytes: int, home: Any) -> Any:
+    def _write_staged(self, tier: Tier, landed: Any, region: Region, nbytes: int) -> Any:
         """Worker: write a staged copy to the tier once it has landed; on failure keep the tensor on
-        its device (a copy of the staged bytes, usable by ``home``, the stream it was made on)."""
+        its device (a copy of the staged bytes, tied at unpack to the stream backward uses it on)."""
         try:
             with self._on_device():
                 landed.synchronize()
                 try:
                     return tier.write(region.bytes(nbytes))
                 except OSError as error:
-                    raise TransferFailed(error, self._back_to_device(region, nbytes, home)) from error
+                    raise TransferFailed(error, self._back_to_device(region, nbytes)) from error
         finally:
             self.staging.give(region)
 
-    def _back_to_device(self, region: Region, nbytes: int, home: Any) -> torch.Tensor:
+    def _back_to_device(self, region: Region, nbytes: int) -> torch.Tensor:
         runtime = self.runtime
         with runtime.stream(self._h2d):
             kept = runtime.empty(nbytes, self.device)
@@ -189,7 +190,6 @@ class CudaBackend(Backend):
             copied = runtime.Event()
             copied.record(self._h2d)
         copied.synchronize()  # the staging region is given back next, and the tensor used at once
-        runtime.record_stream(kept, home)  # backward's consumer stream is recorded at unpack (``kept_used``)
         return kept
 
     def kept_used(self, data: torch.Tensor) -> None:
