@@ -95,6 +95,19 @@ class Backend(ABC):
     def release(self, stored: Ticket, tier: Tier) -> None:
         """Free the tier space of a copy-out ticket. Safe to call once, from any thread."""
 
+    def handles(self, data: torch.Tensor) -> bool:
+        """True if this backend can move ``data`` (the CUDA backend: memory of its device only, so a
+        ``backend=`` override never reaches ``record_stream`` with a CPU tensor)."""
+        return True
+
+    def copy_out_can_fail(self, tier: Tier) -> bool:
+        """True if a copy out into ``tier`` may fail (then the end of forward waits for them to
+        report it); False lets forward end without a host wait (CUDA host tier)."""
+        return True
+
+    def kept_used(self, data: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """``data`` (a ``TransferFailed.data``) is used by backward on the current stream."""
+
     def in_flight_limit(self, tier: Tier, requested: int) -> int | None:
         """The bytes of copies out the session lets wait before forward waits for the oldest
         (``requested``: the tier's or the session's limit); None when the backend bounds them

@@ -14,10 +14,31 @@ poisons, every use that real hardware would be free to get wrong:
 - **Compute is eager.** Under ``compute()`` (a ``TorchDispatchMode``) every torch op is an op of the
   current stream that runs at once: first everything that stream was ordered after runs, then the
   op. Reading bytes whose last writer is not ordered before the reader is a violation and the
-  reader gets NaN (0xFF bytes): a missing ``wait_event`` turns into a wrong gradient.
+  reader gets NaN (0xFF bytes): a missing ``wait_event`` turns into a wrong gradient. A copy that
+  writes bytes an earlier copy on another stream may still be reading (not ordered after it) is a
+  violation too ("overwritten while read"; the writer's bytes are poisoned).
 - **Device memory follows the caching allocator's rule**: memory used on a stream other than the one
   it was allocated on (or produced on) must be ``record_stream``-ed for that stream if it is freed
-  while that use may still be pending. A copy whose source the program freed without it reads NaN.
+  while that use may still be pending, unless its own stream was made to wait for that use before
+  the free (a stream-ordered free: the next allocation on that stream comes after the use). A copy whose source the program freed without it reads NaN.
+- **The caching allocator's pools** (issue 27): each ``empty`` takes the best-fitting free range of
+  its stream's segments (split; freed ranges coalesce) or reserves a new segment of its size (the
+  real allocator's 2 MiB / 20 MiB segment rounding is not modelled: a constant per stream); a freed
+  block returns to its stream's segments at once, unless it was
+  ``record_stream``-ed: then only once the *host* has seen the work its free-time events stand for
+  finish (a synchronisation or a query that found it done). The device is modelled as running behind
+  the host by as much as the ordering allows (in lazy order, a whole backward): nothing is seen
+  finished that the host did not wait for. ``reserved_bytes``/``peak_reserved_bytes`` are what
+  ``torch.cuda.max_memory_reserved()`` would report for the memory the backend allocates.
+- **Host memory**: ``pin`` is page-locked (asynchronous copies); memory marked ``pageable`` makes a
+  copy synchronous (the host waits for it, as CUDA does); ``record_stream`` on host memory raises, as
+  torch does for a CPU tensor. ``unpin`` of memory not pinned, or while a queued copy may still use
+  it, is a violation.
+- **Devices**: every call on a thread other than the one that built the simulator must come under
+  ``device()`` (a worker thread starts on device 0: CUDA would create a context there); ``pin``
+  records the device current at registration (``pinned_on``).
+- **Graph capture**: inside ``capture()``, ``is_capturing`` is True and host synchronisation,
+  ``query`` and ``pin``/``unpin`` raise, as CUDA's stream capture does.
 - **Pinned memory is counted** (allocations and bytes) for the pool's tests.
 
 Violations are collected in ``violations``; tests assert it stays empty. The latency-only
@@ -88,6 +109,8 @@ class _Storage:
     """Stream it was allocated (or produced) on; None for pinned host memory (not the allocator's)."""
     writes: list[tuple[int, int, int, int]] = field(default_factory=list)
     """(start, end, stream, position) of writes not superseded."""
+    reads: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(start, end, stream, position) of the latest copies reading it (a later write must follow them)."""
     uses: list[tuple[int, int]] = field(default_factory=list)
     """(stream, position) of uses on streams other than ``owner``."""
     recorded: set[int] = field(default_factory=set)
@@ -99,8 +122,8 @@ class _Storage:
 class SimStream:
     """A simulated stream: ``wait_event``, ``wait_stream``, ``synchronize``, ``query``."""
 
-    def __init__(self, sim: SimulatedCuda, name: str) -> None:
-        self.sim, self.name = sim, name
+    def __init__(self, sim: SimulatedCuda, name: str, device: int = 0) -> None:
+        self.sim, self.name, self.device = sim, name, device
         self.id = len(sim._streams) + 1
         self.issued = 0
         self.executed = 0
@@ -120,12 +143,12 @@ class SimStream:
         self.wait_event(event)
 
     def synchronize(self) -> None:
-        with self.sim._api("stream.synchronize"):
+        with self.sim._api("stream.synchronize", capturable=False):
             clock = self.sim._snapshot(self)
             self.sim._host_sync(clock)
 
     def query(self) -> bool:
-        with self.sim._api("stream.query"):
+        with self.sim._api("stream.query", capturable=False):
             return self.sim._query(self.sim._snapshot(self))
 
     def __repr__(self) -> str:
@@ -144,14 +167,14 @@ class SimEvent:
             self.clock = self.sim._snapshot(stream if stream is not None else self.sim._current())
 
     def synchronize(self) -> None:
-        with self.sim._api("event.synchronize"):
+        with self.sim._api("event.synchronize", capturable=False):
             if self.sim.fail_synchronize is not None:
                 raise self.sim.fail_synchronize
             if self.clock is not None:
                 self.sim._host_sync(self.clock)
 
     def query(self) -> bool:
-        with self.sim._api("event.query"):
+        with self.sim._api("event.query", capturable=False):
             return self.clock is None or self.sim._query(self.clock)
 
 
@@ -186,8 +209,22 @@ class SimulatedCuda:
         real GPU still holds for them while the host runs ahead: what back-pressure must bound)."""
         self.peak_pending_out_bytes = 0
         self._outs: deque[tuple[int, int, int]] = deque()
+        self.blocks: dict[int, tuple[int, Any]] = {}
+        """Caching allocator: storage key -> (stream id, block) of live ``empty`` blocks."""
+        self._pools: dict[int, list[list[list[int]]]] = {}
+        """Per stream: its segments, each ``[[size], [offset, length] of each free range...]``."""
+        self._deferred: list[tuple[Any, Clock]] = []
+        """Blocks freed after ``record_stream``: (block, free-time positions the host must see done)."""
+        self.reserved_bytes = self.peak_reserved_bytes = 0
+        self.allocated_bytes = self.peak_allocated_bytes = 0
+        self._owner_thread = threading.get_ident()
+        self._capturing = 0
+        self.pinned_on: list[int] = []
+        """The current device at each ``pin``."""
+        self._pinned: set[int] = set()
+        self._pageable: set[int] = set()
         self.synchronized_by: dict[str, int] = {}
-        """Host synchronisations (event or stream) per thread name."""
+        """Host synchronisations (event or stream) that had to wait for unfinished work, per thread name."""
         self.fail_synchronize: BaseException | None = None
         """Set to make every ``Event.synchronize`` raise it (a CUDA error, for error-path tests)."""
 
@@ -195,7 +232,7 @@ class SimulatedCuda:
 
     def Stream(self, device: Any = None) -> SimStream:
         with self._api("Stream"):
-            return SimStream(self, f"side{len(self._streams)}")
+            return SimStream(self, f"side{len(self._streams)}", _index(device, self._device()))
 
     def Event(self) -> SimEvent:
         return SimEvent(self)
@@ -208,31 +245,84 @@ class SimulatedCuda:
         stack = self._stack()
         stack.append(stream)
         try:
-            yield stream
+            with self.device(stream.device):  # torch.cuda.stream() makes the stream's device current
+                yield stream
         finally:
             stack.pop()
 
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        """``torch.cuda.device(device)``: the calling thread's current device inside the block."""
+        local = self._local
+        outer = getattr(local, "device", None)
+        local.device = _index(device, 0)
+        try:
+            yield
+        finally:
+            local.device = outer
+
+    def _device(self) -> int:
+        device = getattr(self._local, "device", None)
+        return 0 if device is None else device
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Stream capture (``torch.cuda.graph``) on every stream while inside (this simulator)."""
+        self._capturing += 1
+        try:
+            yield
+        finally:
+            self._capturing -= 1
+
+    def is_capturing(self, device: Any = None) -> bool:
+        return self._capturing > 0
+
+    def is_device_tensor(self, tensor: torch.Tensor, device: Any = None) -> bool:
+        """Simulated device memory: any tensor but pinned or ``pageable`` host memory."""
+        key = tensor.untyped_storage()._cdata
+        return key not in self._pinned and key not in self._pageable
+
+    def pageable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mark ``tensor`` as ordinary (pageable) host memory: copies from or to it are synchronous."""
+        with self._api("pageable"):
+            self._storage(tensor, owner=None)
+            self._pageable.add(tensor.untyped_storage()._cdata)
+            return tensor
+
     def pin(self, nbytes: int) -> torch.Tensor:
-        with self._api("pin"):
+        with self._api("pin", capturable=False):
             self.pinned_allocations += 1
             self.pinned_bytes += nbytes
+            self.pinned_on.append(self._device())
             raw = torch.full((nbytes + PAGE,), POISON, dtype=torch.uint8)
             self._storage(raw, owner=None)
+            self._pinned.add(raw.untyped_storage()._cdata)
             shift = -raw.data_ptr() % PAGE
             return raw[shift:shift + nbytes]  # page-aligned, as cudaHostRegister-ed mappings are
 
     def unpin(self, tensor: torch.Tensor) -> None:
-        with self._api("unpin"):
+        with self._api("unpin", capturable=False):
+            key = tensor.untyped_storage()._cdata
+            if key not in self._pinned:
+                self._violate("unpin", "unregistering memory that is not registered")
+                return
+            if self._storages[key].held:  # a queued copy still reads or writes it
+                self._violate("unpinned while in use", "unregistering pinned memory a queued copy may still use")
+            self._pinned.discard(key)
             self.pinned_bytes -= tensor.numel()
 
     def empty(self, nbytes: int, device: Any = None) -> torch.Tensor:
         with self._api("empty"):
+            stream = self._current()
             tensor = torch.full((nbytes,), POISON, dtype=torch.uint8)  # never-written memory reads as NaN
-            self._storage(tensor, owner=self._current().id)
+            state = self._storage(tensor, owner=stream.id)
+            self.blocks[state.key] = (stream.id, self._allocate(stream.id, nbytes))
             return tensor
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         with self._api("record_stream"):
+            if not self.is_device_tensor(tensor):
+                raise RuntimeError("record_stream: expected a CUDA tensor, got host memory (torch raises here too)")
             self._storage(tensor, owner=self.default_stream.id).recorded.add(stream.id)
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -243,6 +333,8 @@ class SimulatedCuda:
             writes = [self._range(destination, default_owner=stream.id)]
             op = self._issue(stream, lambda: destination.copy_(source), reads, writes, [destination, source],
                              f"copy {source.numel()} B on {stream.name}")
+            if reads[0][0] in self._pageable or writes[0][0] in self._pageable:  # not pinned: synchronous
+                self._host_sync(self._snapshot(stream))
             if self._storages[writes[0][0]].owner is None and self._storages[reads[0][0]].owner is not None:
                 self._outs.append((stream.id, op.position, source.numel()))  # device -> pinned host
                 self.pending_out_bytes += source.numel()
@@ -332,9 +424,14 @@ class SimulatedCuda:
     # ---------------------------------------------------------------------------- internals
 
     @contextlib.contextmanager
-    def _api(self, name: str) -> Iterator[None]:
+    def _api(self, name: str, capturable: bool = True) -> Iterator[None]:
         local = self._local
         outer = getattr(local, "busy", False)
+        if not capturable and self._capturing:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({name})")
+        if not outer and threading.get_ident() != self._owner_thread and getattr(local, "device", None) is None:
+            self._violate("no device guard", f"{name} on thread {threading.current_thread().name}, which never set "
+                          "a device: CUDA makes device 0 current there (a context on GPU 0 for every rank)")
         with self._lock:
             local.busy = True
             try:
@@ -387,10 +484,77 @@ class SimulatedCuda:
         span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
         return state.key, start, start + span * size
 
+    def _allocate(self, stream: int, nbytes: int) -> tuple[list[list[int]], int, int]:
+        """The caching allocator: the best-fitting free range of ``stream``'s segments (split), or a
+        new segment of the request's size (512-byte granularity). Returns (segment, offset, size)."""
+        size = max(512, -(-nbytes // 512) * 512)
+        self._collect_deferred()
+        segments = self._pools.setdefault(stream, [])
+        best: tuple[int, list[list[int]], int] | None = None
+        best_length = 0
+        for segment in segments:
+            for index, (offset, length) in enumerate(segment[1:]):
+                if length >= size and (best is None or length < best_length):
+                    best, best_length = (index + 1, segment, offset), length
+        if best is None:
+            segment = [[size], [0, size]]  # [[segment size], free ranges [offset, length]...]
+            segments.append(segment)
+            self.reserved_bytes += size
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+            best = (1, segment, 0)
+        index, segment, offset = best
+        length = segment[index][1]
+        if length > size:
+            segment[index] = [offset + size, length - size]
+        else:
+            del segment[index]
+        self.allocated_bytes += size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return segment, offset, size
+
+    @staticmethod
+    def _give_back(block: tuple[list[list[int]], int, int]) -> None:
+        segment, offset, size = block
+        free = segment[1:]
+        free.append([offset, size])
+        free.sort()
+        merged: list[list[int]] = []
+        for start, length in free:  # coalesce neighbours, as the allocator does
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1][1] += length
+            else:
+                merged.append([start, length])
+        segment[1:] = merged
+
+    def _collect_deferred(self) -> None:
+        still = []
+        for block, clock in self._deferred:
+            if all(_covers(self._host, other, position) for other, position in clock.items()):
+                self._give_back(block)
+            else:
+                still.append((block, clock))
+        self._deferred = still
+
+    def _free_blocks(self) -> None:
+        for key, (stream, block) in list(self.blocks.items()):
+            state = self._storages[key]
+            if not self._freed_by_program(state):
+                continue
+            del self.blocks[key]
+            self.allocated_bytes -= block[2]
+            recorded = {other: self._streams[other].issued for other in state.recorded if other != stream}
+            if recorded:  # free-time events on the recorded streams: reusable once seen done
+                self._deferred.append((block, recorded))
+            else:
+                self._give_back(block)
+
     def _prune(self) -> None:
         for key in [key for key, state in self._storages.items()
-                    if torch.UntypedStorage._expired(key) and key not in self._watched and not state.held]:
+                    if torch.UntypedStorage._expired(key) and key not in self._watched and not state.held
+                    and key not in self.blocks]:
             del self._storages[key]
+            self._pinned.discard(key)
+            self._pageable.discard(key)
             torch.UntypedStorage._free_weak_ref(key)
 
     def _issue(self, stream: SimStream, run: Callable[[], None], reads: list[Any], writes: list[Any],
@@ -406,8 +570,18 @@ class SimulatedCuda:
                 op.poisoned = True
                 self._violate("read before written", f"{description} reads {problem}")
             self._note_use_key(key, stream, op.position)
+            read_by = self._storages[key].reads
+            read_by.append((start, end, stream.id, op.position))
+            del read_by[:-64]
         for key, start, end in writes:
-            self._write(self._storages[key], start, end, stream.id, op.position)
+            state = self._storages[key]
+            for r_start, r_end, r_stream, r_position in state.reads:
+                if r_start < end and start < r_end and r_stream != stream.id and not _covers(clock, r_stream, r_position):
+                    op.poisoned = True
+                    self._violate("overwritten while read", f"{description} writes bytes [{start}, {end}) that op "
+                                  f"{r_position} of {self._streams[r_stream].name} may still be reading")
+                    break
+            self._write(state, start, end, stream.id, op.position)
             self._note_use_key(key, stream, op.position)
         for tensor in holds:
             self._storages[tensor.untyped_storage()._cdata].held += 1
@@ -447,13 +621,16 @@ class SimulatedCuda:
 
     def _poll(self) -> None:
         """Storages the program freed: was each use on another stream finished or recorded?"""
+        self._free_blocks()
         for key, state in list(self._watched.items()):
             if not self._freed_by_program(state):
                 continue
             state.freed = True
             del self._watched[key]
+            owner = self._streams[state.owner].after  # freed in stream order: the owner waited for the use
             for stream, position in state.uses:
-                if stream not in state.recorded and not _covers(self._host, stream, position):
+                if stream not in state.recorded and not _covers(self._host, stream, position) \
+                        and not _covers(owner, stream, position):
                     name = self._streams[stream].name
                     self._violate("freed while in use", f"memory owned by {self._name(state.owner)} freed while op "
                                   f"{position} of {name} may still use it, and no record_stream({name})")
@@ -505,8 +682,9 @@ class SimulatedCuda:
         return done
 
     def _host_sync(self, clock: Clock) -> None:
-        name = threading.current_thread().name
-        self.synchronized_by[name] = self.synchronized_by.get(name, 0) + 1
+        if not all(self._streams[stream].executed >= position for stream, position in clock.items()):
+            name = threading.current_thread().name  # a wait for work not done yet: the host blocks
+            self.synchronized_by[name] = self.synchronized_by.get(name, 0) + 1
         self._run_clock(clock)
         self._host_saw(clock)
 
@@ -528,6 +706,15 @@ class SimulatedCuda:
         self._execute(op)
         stream.executed = op.position
         return True
+
+
+def _index(device: Any, default: int) -> int:
+    if device is None:
+        return default
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.type == "cuda" and device.index is not None else 0
 
 
 class _ComputeMode(TorchDispatchMode):

@@ -106,7 +106,7 @@ class _Saved:
 class StoredTensor(_Saved):
     """What autograd keeps for a moved tensor: where its bytes are and how to rebuild it."""
 
-    __slots__ = ("backend", "group", "data", "ready", "out", "incoming", "uses", "pending_uses", "slot",
+    __slots__ = ("backend", "group", "data", "ready", "out", "incoming", "uses", "pending_uses", "kept", "slot",
                  "released", "__weakref__")
 
     def __init__(self, layout: Layout, backend: Backend, data: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -120,6 +120,8 @@ class StoredTensor(_Saved):
         self.out: Ticket | None = None
         self.incoming: Ticket | None = None
         self.uses = self.pending_uses = 1
+        self.kept = False
+        """``data`` is the backend's copy kept after a failed write (not the tensor autograd saved)."""
         self.slot: list[tuple[Backend, Ticket, Tier]] = []
         """The tier space to free, once (``release_slot``): by the reaper when autograd drops the
         handle, or at once when an exception unwinds its backward (``unwind``)."""
@@ -187,7 +189,10 @@ class OffloadSession:
 
     def _backend_for(self, tensor: torch.Tensor) -> Backend | None:
         if self.backend_override is not None:
-            return self.backend_override
+            if self.backend_override.handles(tensor):
+                return self.backend_override
+            if self.storage == "host" and tensor.device.type == "cpu":
+                return None
         if self.storage == "host" and tensor.device.type == "cpu":
             return None  # already in host memory: keeping it is free and exact
         return backend_for(tensor.device)
@@ -311,15 +316,19 @@ class OffloadSession:
                     handle = ref()
                     if handle is None or handle.out is not ticket:  # its graph is gone, or unpack saw it
                         continue
-                    handle.data, handle.out = failure.data, None
+                    handle.data, handle.out, handle.kept = failure.data, None, True
                     failures.append((handle, failure))
         if failures:
             handle, failure = failures[0]
             raise _io_error("writing", handle.layout.nbytes, len(failures), self.tier, failure.error)
 
     def forward_end(self) -> None:
-        """The scope's forward is over: wait for the copies out and raise if any failed."""
-        self.raise_write_errors(wait=True)
+        """The scope's forward is over: wait for the copies out that may fail (disk) and raise if one
+        did. Copies that cannot fail (CUDA host tier) are not waited for: the device queue is not
+        drained at the forward/backward boundary; they are collected later (next pack, or unpack)."""
+        with self._lock:
+            wait = any(backend.copy_out_can_fail(self.tier) for _, backend, _, _ in self._writing)
+        self.raise_write_errors(wait=wait)
 
     # --------------------------------------------------------------------------------- backward
 
@@ -382,6 +391,8 @@ class OffloadSession:
 
     def _wait(self, handle: StoredTensor) -> torch.Tensor:
         if handle.data is not None:
+            if handle.kept:  # made by the backend after a failed write: tie it to this consumer stream
+                handle.backend.kept_used(handle.data)
             self.stats.unpacks.append(UnpackRecord(handle.group, True, 0.0))
             return handle.data
         ticket = handle.incoming
@@ -391,7 +402,7 @@ class OffloadSession:
             data = handle.backend.wait(ticket)
         except TransferFailed as failure:
             _drop_traceback(failure)
-            handle.data, handle.out, handle.incoming = failure.data, None, None
+            handle.data, handle.out, handle.incoming, handle.kept = failure.data, None, None, True
             raise _io_error("writing", handle.layout.nbytes, 1, self.tier, failure.error) from failure.error
         except OSError as error:
             handle.incoming = None

@@ -336,7 +336,11 @@ def test_a_cuda_error_while_waiting_does_not_replace_the_forwards_own_error(sim_
     finally:
         hold.set()
         sim.fail_synchronize = None
-    assert any("CUDA error" in note for note in getattr(raised.value, "__notes__", [])), raised.value
+    notes = getattr(raised.value, "__notes__", [])
+    if storage == "disk":
+        assert any("CUDA error" in note for note in notes), raised.value
+    else:  # the host tier's copies out cannot fail: forward's end waits for none (issue 27); a finished one
+        assert all("CUDA error" in note for note in notes), notes  # collected on the way may report it
 
 
 # ----------------------------------------------------------- prefetch and the partitioned path, on it
