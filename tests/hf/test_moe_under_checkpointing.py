@@ -6,7 +6,9 @@ checkpointing they were tensors of the region's forward graph, which keeps nothi
 "a reentrant region's forward graph was used in backward", and torch's own reentrant checkpoint
 (whose forward runs under ``no_grad``) silently gives the routers no gradient from that loss. Now
 they are outputs of the region (``acshim.region_escapes``): every family transformers ships trains
-bitwise as without checkpointing, in both modes, router jitter noise included.
+bitwise as without checkpointing (encoder-decoder families against a plain step without the cache),
+in both modes, router jitter noise included; under reentrant regions the encoder-decoder families'
+encoder gradients match only to rounding (``ENCODER_DECODER``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                       pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)),
 }
 
+ENCODER_DECODER_DOC = "reentrant regions group the encoder output's gradient (docs/huggingface.md)"
 NO_AUX_LOSS = {"deepseek_v3"}
 """Balanced by a bias on the router's scores, not by a loss: its router logits escape nowhere."""
 
@@ -76,6 +79,9 @@ def _step(family: str, reentrant: bool | None) -> dict[str, torch.Tensor]:
     inputs: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
     if model.config.is_encoder_decoder:
         inputs["labels"] = torch.randint(3, 96, (2, 8), generator=generator)
+        # checkpointing turns the cache off; a plain step with it on rounds attention differently
+        # (contiguous keys from the cache's concatenation: docs/huggingface.md, test_encoder_decoder_drift)
+        inputs["use_cache"] = False
     if family == "nllb_moe" or family == "switch_transformers":
         inputs["output_router_logits"] = True
     torch.manual_seed(1)
@@ -93,9 +99,17 @@ def _step(family: str, reentrant: bool | None) -> dict[str, torch.Tensor]:
     return state
 
 
+ENCODER_DECODER = {"switch_transformers", "nllb_moe"}
+"""Each decoder block's cross-attention uses the encoder's output twice (k and v): a reentrant region
+adds those two uses first, so the encoder's gradients match only to rounding (README, g3 + (g2 + g1))."""
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_moe_router_logits_train_bitwise_under_checkpointing(family: str, reentrant: bool) -> None:
+def test_moe_router_logits_train_bitwise_under_checkpointing(family: str, reentrant: bool,
+                                                             request: pytest.FixtureRequest) -> None:
+    if reentrant and family in ENCODER_DECODER:
+        request.applymarker(pytest.mark.xfail(reason=ENCODER_DECODER_DOC, raises=AssertionError, strict=True))
     expected = _step(family, None)
     router = [k for k in expected if "gate" in k or "router" in k]
     assert router and all(expected[k].abs().sum() > 0 for k in router)  # the routers do learn
