@@ -6,7 +6,9 @@ checkpointing they were tensors of the region's forward graph, which keeps nothi
 "a reentrant region's forward graph was used in backward", and torch's own reentrant checkpoint
 (whose forward runs under ``no_grad``) silently gives the routers no gradient from that loss. Now
 they are outputs of the region (``acshim.region_escapes``): every family transformers ships trains
-bitwise as without checkpointing, in both modes, router jitter noise included.
+bitwise as without checkpointing (encoder-decoder families against a plain step without the cache),
+in both modes, router jitter noise included; under reentrant regions the encoder-decoder families'
+encoder gradients match only to rounding (``ENCODER_DECODER``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def _step(family: str, reentrant: bool | None) -> dict[str, torch.Tensor]:
     inputs: dict[str, Any] = {"input_ids": ids, "labels": ids.clone()}
     if model.config.is_encoder_decoder:
         inputs["labels"] = torch.randint(3, 96, (2, 8), generator=generator)
+        # checkpointing turns the cache off; a plain step with it on rounds attention differently
+        # (contiguous keys from the cache's concatenation: docs/huggingface.md, test_encoder_decoder_drift)
+        inputs["use_cache"] = False
     if family == "nllb_moe" or family == "switch_transformers":
         inputs["output_router_logits"] = True
     torch.manual_seed(1)
@@ -91,6 +96,11 @@ def _step(family: str, reentrant: bool | None) -> dict[str, torch.Tensor]:
         state["aux"] = aux.detach()
     state.update({f"grad:{n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     return state
+
+
+ENCODER_DECODER = {"switch_transformers", "nllb_moe"}
+"""Each decoder block's cross-attention uses the encoder's output twice (k and v): a reentrant region
+adds those two uses first, so the encoder's gradients match only to rounding (README, g3 + (g2 + g1))."""
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -115,4 +125,14 @@ def test_moe_router_logits_train_bitwise_under_checkpointing(family: str, reentr
         actual = _step(family, reentrant)
     finally:
         hf.uninstall()
+    if reentrant and family in ENCODER_DECODER:
+        # the loss, the decoder (its routers included) and the head bitwise; the encoder's side to rounding
+        encoder = {k for k in expected if k.startswith(("grad:encoder.", "grad:shared.", "grad:model.encoder.",
+                                                        "grad:model.shared."))}
+        assert encoder and any("decoder" in k and ("router" in k or "gate" in k) for k in expected)
+        assert_bitwise_equal({k: v for k, v in expected.items() if k not in encoder},
+                             {k: v for k, v in actual.items() if k not in encoder})
+        for key in sorted(encoder):
+            torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-7)
+        return
     assert_bitwise_equal(expected, actual)
