@@ -3,6 +3,11 @@ model parallelism, PyTorch's checkpoint_wrapper, Modalities and Hugging Face."""
 
 from __future__ import annotations
 
+from . import allocator as _allocator
+
+if _allocator.invoked_as_budget_command():  # before torch is imported: acshim run --budget owns malloc
+    _allocator.own()
+
 from . import _quiet_torch  # noqa: F401  (first: torch imported without its NumPy-missing warning)
 from . import exit_settle as _exit_settle
 from ._source_layout import map_source_tree_subpackages

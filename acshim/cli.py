@@ -238,7 +238,10 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
         print(f"acshim {verb}: argument --storage: expected host or disk, got {flags.get('storage')!r}", file=sys.stderr)
         return 2
     if flags.get("budget") is not None:
+        from .allocator import own
         from .planner.session import PlanSession, _check_budget
+
+        own()  # already done before torch was imported, unless main() was called from Python
 
         try:
             _check_budget(flags.get("budget"))

@@ -259,7 +259,12 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     choice is measured once, its time estimated operator by operator (``planner.costs``).
     ``memory="tensors"``: the budget counts activation tensor storages only (no guard on the
     process; for models whose activations are below the 1 MiB the process's memory resolves).
+    With ``memory="process"`` on glibc, the call fixes the process's ``M_MMAP_THRESHOLD`` at 64 KiB
+    (``acshim.allocator.own``; kept where ``MALLOC_MMAP_THRESHOLD_`` is set) so that its resident
+    memory follows what tensors hold; set it before the model is built (or call
+    ``acshim.allocator.own()`` first) to plan from a heap that already follows it.
     """
+    from ..allocator import own
     from .session import PlanExit, PlanSession
 
     if not isinstance(model, nn.Module):
@@ -271,6 +276,8 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
     check_memory_kind(memory)
+    if memory == "process":
+        own()
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"acshim.plan: found no repeated blocks in {type(model).__name__} to plan for")

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .pages import uncommitted
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -178,7 +180,7 @@ class Guard(TorchDispatchMode):
         limit = self.current_limit()
         if limit is not None and (self.last + max(self.largest_step, 2 * _largest_input(args, kwargs)) > limit
                                   or _may_grow(func)):
-            size = _product_bytes(func, args)
+            size = 0 if uncommitted(func, args, kwargs) else _product_bytes(func, args)
             if size is None:
                 size = _output_bytes(func, args, kwargs)
             if size is not None and self.used() + size > limit:

@@ -424,6 +424,10 @@ class PlanSession:
             self._drop_sites_data()
             if self.api:
                 self.stop()
+                if isinstance(error, BudgetTooSmall) and error.suggested:
+                    error.args = (f"{error}; pass budget={error.suggested} ({format_bytes(error.suggested)}) or more"
+                                  + (', or memory="tensors" to budget activation tensors alone'
+                                     if self.memory == "process" else ""),)
                 raise
             self.stop()
             hint = (f"; pass --budget {budget_at_least(error.suggested)} or more"

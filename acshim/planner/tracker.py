@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import structures
 from ..measure import storage_key
+from .pages import SMALLEST, resident_bytes, uncommitted
 
 
 class LiveBytes(TorchDispatchMode):
@@ -42,8 +43,9 @@ class LiveBytes(TorchDispatchMode):
         self.timed = timed
         self.durations: list[tuple[Any, float]] = []
         self.own_seconds = 0.0
+        self.lazy: dict[int, int] = {}  # storage address -> resident bytes counted (see pages)
 
-    def _track(self, value: Any) -> None:
+    def _track(self, value: Any, lazy: bool = False) -> None:
         if self.paused:
             return
         leaves, _ = structures.flatten(value)
@@ -52,14 +54,28 @@ class LiveBytes(TorchDispatchMode):
             if found and found[0] not in self.excluded and found[0] not in self.live:
                 self.serial += 1  # addresses are reused once freed: events name storages by serial
                 self.live[found[0]] = (self.serial, found[1])
-                self.events.append((self.ops, self.serial, found[1].nbytes()))
+                size = found[1].nbytes()
+                if lazy and size >= SMALLEST:
+                    size = self.lazy[found[0]] = resident_bytes(found[1])
+                self.events.append((self.ops, self.serial, size))
+
+    def _recount(self, value: Any) -> None:
+        """Count again the pages an operator wrote into the unwritten allocations it used."""
+        leaves, _ = structures.flatten(value)
+        for leaf in leaves:
+            found = storage_key(leaf) if isinstance(leaf, torch.Tensor) else None
+            if found and found[0] in self.lazy:
+                now = resident_bytes(found[1])
+                if now != self.lazy[found[0]]:
+                    self.events.append((self.ops, self.live[found[0]][0], now - self.lazy[found[0]]))
+                    self.lazy[found[0]] = now
 
     def sweep(self) -> None:
         """Forget storages only this tracker still references."""
         dead = [key for key in self.live if torch._C._storage_Use_Count(key) <= 1]
         for key in dead:
             serial, storage = self.live.pop(key)
-            self.events.append((self.ops, serial, -storage.nbytes()))
+            self.events.append((self.ops, serial, -self.lazy.pop(key, storage.nbytes())))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         entered = time.perf_counter()
@@ -68,7 +84,9 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         finished = time.perf_counter()
         self.ops += 1
-        self._track(out)
+        if self.lazy:
+            self._recount((args, kwargs))
+        self._track(out, lazy=uncommitted(func, args, kwargs))
         self.sweep()
         if self.timed:
             self.durations.append((op_key(func, args, kwargs), finished - started))
@@ -100,6 +118,7 @@ class LiveBytes(TorchDispatchMode):
 
     def release(self) -> None:
         self.live.clear()
+        self.lazy.clear()
 
     def series(self, ignore: set[int]) -> list[int]:
         """Live bytes after each event, leaving out the still-live storages whose addresses are in

@@ -7,8 +7,10 @@ the budget (subprocesses: the patches are process-wide)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,55 @@ def test_sft_script_under_budget_half_trains_exactly_within_budget(fixture_dir: 
     got = load_file(fixture_dir / f"{case}-planned" / "adapter_model.safetensors")
     assert set(got) == set(reference) and all(k.count("lora_") for k in got)
     assert all(__import__("torch").equal(got[k], reference[k]) for k in got)
+
+
+TRL_SFT = Path(importlib.util.find_spec("trl.scripts.sft").origin) if importlib.util.find_spec("trl") else None
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from acshim.testing import write_finetuning_fixture
+
+    directory = tmp_path_factory.mktemp("finetune512")
+    write_finetuning_fixture(str(directory), vocab=512, hidden=128, layers=6, rows=48, words=120)
+    return directory
+
+
+def _trl_own(directory: Path, output: str, budget: str | None) -> dict:
+    """TRL's own ``trl/scripts/sft.py``, unchanged, in the environment a user has: no MALLOC_* variable."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(directory / "datasets"), TOKENIZERS_PARALLELISM="false",
+               RSS_PROBE_FROM_STEP="2", OMP_NUM_THREADS="1")
+    args = [str(PROBE), str(TRL_SFT), "--model_name_or_path", str(directory / "model"), "--dataset_name",
+            str(directory / "data"), "--output_dir", str(directory / output), "--gradient_checkpointing",
+            "True" if budget else "False", "--max_steps", "6", "--per_device_train_batch_size", "8",
+            "--report_to", "none", "--seed", "3", "--save_strategy", "no", "--max_length", "121",
+            "--dataloader_num_workers", "0", "--bf16", "False", "--use_cpu", "True", "--disable_tqdm", "True"]
+    command = [sys.executable, *(["-m", "acshim", "run", "--budget", budget] if budget else []), *args]
+    done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = [line for line in done.stdout.splitlines() if line.startswith("RSS ")][-1]
+    return {**json.loads(line[4:]), "stderr": done.stderr}
+
+
+def test_trl_own_sft_script_plans_at_half_and_0_3_with_weights_bitwise(small_vocab_dir: Path) -> None:
+    """Issue 26 item 1: ``trl/scripts/sft.py`` (a 6x128 Llama, vocabulary 512, batch 8, 6 steps) was
+    refused at every fraction: its chunked log-prob's 120 MiB ``torch.empty`` scratch buffer, of
+    which it writes a page per row, was counted whole. Now both budgets plan, the predicted and
+    measured peaks are printed within 15% of each other, the planned steps' resident high-water
+    mark is within the budget, and the saved weights equal the plain run's bitwise."""
+    import torch
+    from safetensors.torch import load_file
+
+    _trl_own(small_vocab_dir, "plain", None)
+    reference = load_file(small_vocab_dir / "plain" / "model.safetensors")
+    for budget in ("0.5", "0.3"):
+        planned = _trl_own(small_vocab_dir, f"planned{budget}", budget)
+        found = re.search(r"replaced 6 region\(s\).*predicted peak ([\d.]+) MiB, measured ([\d.]+) MiB",
+                          planned["stderr"])
+        assert found, planned["stderr"][-3000:]
+        predicted, measured = float(found.group(1)), float(found.group(2))
+        assert abs(predicted - measured) <= max(0.15 * measured, 2.0), (budget, predicted, measured)
+        assert planned["peak"] <= planned["budget"], (budget, planned)
+        got = load_file(small_vocab_dir / f"planned{budget}" / "model.safetensors")
+        assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got), budget
