@@ -32,13 +32,14 @@ dispatch modes, which cache or replay only the operators the region itself runs.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+from .module_watch import ModuleWatch
 
 try:
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
@@ -138,10 +139,6 @@ def snapshot(modules: list[nn.Module]) -> BufferSnapshot:
 # --------------------------------------------------------------------------------------------------
 # modules found by watching the forward (callables whose modules cannot be found statically)
 
-_local = threading.local()
-_lock = threading.Lock()
-_watchers = 0
-_hook_handle: Any = None
 
 
 class _Watcher:
@@ -157,34 +154,14 @@ class _Watcher:
             self.taken.add(module)
 
 
-def _pre_hook(module: nn.Module, args: Any) -> None:
-    for watcher in getattr(_local, "watchers", ()):
-        watcher.see(module)
+_MODULE_CALLS: ModuleWatch[_Watcher] = ModuleWatch(nn.modules.module.register_module_forward_pre_hook,
+                                                   lambda watcher, module, args: watcher.see(module))
 
 
-@contextlib.contextmanager
-def watch_modules() -> Iterator[_Watcher]:
+def watch_modules() -> contextlib.AbstractContextManager[_Watcher]:
     """Record every module called on this thread in the body, with its buffers just before its
     first call (a global forward pre-hook, registered only while some watch is open)."""
-    global _watchers, _hook_handle
-    watcher = _Watcher()
-    stack = getattr(_local, "watchers", None)
-    if stack is None:
-        stack = _local.watchers = []
-    stack.append(watcher)
-    with _lock:
-        _watchers += 1
-        if _hook_handle is None:
-            _hook_handle = nn.modules.module.register_module_forward_pre_hook(_pre_hook)
-    try:
-        yield watcher
-    finally:
-        stack.remove(watcher)
-        with _lock:
-            _watchers -= 1
-            if _watchers == 0 and _hook_handle is not None:
-                _hook_handle.remove()
-                _hook_handle = None
+    return _MODULE_CALLS.watching(_Watcher())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,20 +23,14 @@ appending to a list) still stops backward with the error of ``region_graph``.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-_local = threading.local()
-_lock = threading.Lock()
-_open = 0
-_handle: Any = None
-
+from .module_watch import ModuleWatch
 
 Key = tuple[int, int, int]
 """(the module's id, its call number in the watch, the tensor's place among the call's outputs)."""
@@ -91,32 +85,12 @@ def made_inside(tensor: torch.Tensor, since: int) -> bool:
     return node is not None and tensor._base is None and node._sequence_nr() >= since
 
 
-def _hook(module: nn.Module, args: Any, output: Any) -> None:
-    for watch in getattr(_local, "watches", ()):
-        watch.note(module, output)
+_MODULE_OUTPUTS: ModuleWatch[ModuleOutputs] = ModuleWatch(
+    nn.modules.module.register_module_forward_hook, lambda watch, module, args, output: watch.note(module, output))
 
 
-@contextlib.contextmanager
-def watching(wanted: set[Key] | None = None) -> Iterator[ModuleOutputs]:
+def watching(wanted: set[Key] | None = None) -> contextlib.AbstractContextManager[ModuleOutputs]:
     """Note every module output on this thread in the body. Every open watch notes it: a region
     recomputed with a reentrant region nested in it sees the same outputs as its forward did,
     where the nested one ran as a plain call."""
-    global _open, _handle
-    watch = ModuleOutputs(wanted)
-    stack = getattr(_local, "watches", None)
-    if stack is None:
-        stack = _local.watches = []
-    stack.append(watch)
-    with _lock:
-        _open += 1
-        if _handle is None:
-            _handle = nn.modules.module.register_module_forward_hook(_hook)
-    try:
-        yield watch
-    finally:
-        stack.remove(watch)
-        with _lock:
-            _open -= 1
-            if _open == 0 and _handle is not None:
-                _handle.remove()
-                _handle = None
+    return _MODULE_OUTPUTS.watching(ModuleOutputs(wanted))
