@@ -106,12 +106,13 @@ adds those two uses first, so the encoder's gradients match only to rounding (RE
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_router_logits_train_bitwise_under_checkpointing(family: str, reentrant: bool) -> None:
-    expected = _step(family, None)
-    router = [k for k in expected if "gate" in k or "router" in k]
-    assert router and all(expected[k].abs().sum() > 0 for k in router)  # the routers do learn
     try:
+        expected = _step(family, None)
+        router = [k for k in expected if "gate" in k or "router" in k]
+        assert router and all(expected[k].abs().sum() > 0 for k in router)  # the routers do learn
         _step(family, False)  # Hugging Face's own checkpointing (torch's, non-reentrant)
-    except Exception as error:  # broken upstream in this version (NLLB-MoE in 4.57): the same error
+    except (RuntimeError, IndexError, ValueError) as error:
+        # broken upstream in this version (NLLB-MoE on 4.57 without its cache): acshim's is the same error
         hf.install()
         try:
             with pytest.raises(type(error)) as raised:
