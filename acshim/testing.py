@@ -4,6 +4,7 @@ for users checking their own models."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,21 @@ class MLPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.dropout(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+def open_descriptors_in(directory: str | os.PathLike[str]) -> list[str]:
+    """Targets of this process's open file descriptors inside ``directory`` (unlinked files too,
+    ``... (deleted)``): what the disk tier still holds there. Linux ``/proc``."""
+    prefix = str(directory)
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            found.append(target)
+    return found
 
 
 def tiny_sequential(depth: int = 4, width: int = 64) -> nn.Sequential:

@@ -43,7 +43,7 @@ from torch import nn
 import acshim
 import acshim.selective
 import acshim.testing
-from acshim.testing import assert_bitwise_equal
+from acshim.testing import assert_bitwise_equal, open_descriptors_in
 
 WIDTH = 24  # a batch of 16 rows: 1536-byte activations, above the offload size floor
 BATCH = 16
@@ -571,24 +571,12 @@ def _record_linear_outputs(model: nn.Module) -> _Recorder:
     return _Recorder(model)
 
 
-def _private_fds(directory: Path) -> list[str]:
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(directory)):
-            found.append(target)
-    return found
-
-
 def _interrupted_step(case: Case, model: nn.Module, router: Router, x: torch.Tensor, const: torch.Tensor,
                       scope: Any, directory: Path, engine: str) -> None:
     """A step whose backward KeyboardInterrupt stops halfway, caught as a script would, its graph still
     held: the disk tier must hold no descriptor then; gradients and recorded outputs are reset."""
     torch.manual_seed(case.seed + 500)
-    before = set(_private_fds(directory))  # an earlier case's graph may still be collected
+    before = set(open_descriptors_in(directory))  # an earlier case's graph may still be collected
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with scope:
@@ -607,7 +595,7 @@ def _interrupted_step(case: Case, model: nn.Module, router: Router, x: torch.Ten
         else:
             raise AssertionError("the interrupt never fired")
         if engine == "acshim":
-            left = set(_private_fds(directory)) - before
+            left = set(open_descriptors_in(directory)) - before
             assert not left, f"descriptors left open after an interrupted backward:\n{case.describe()}"
         del loss, out, target, hooked
     model.zero_grad(set_to_none=True)

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from acshim.testing import open_descriptors_in
+
 
 @pytest.fixture
 def disk_dir(tmp_path):
@@ -67,17 +69,8 @@ def offloaded():
     return Offloaded
 
 
-def private_fds(directory: str) -> list[str]:
-    """Open descriptors of this process that point into ``directory`` (unlinked files included)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(directory):
-            found.append(target)
-    return found
+private_fds = open_descriptors_in
+"""Open descriptors of this process that point into a directory (unlinked files included)."""
 
 
 @pytest.fixture
