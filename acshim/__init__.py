@@ -8,9 +8,11 @@ from . import allocator as _allocator
 if _allocator.invoked_as_budget_command():  # before torch is imported: acshim run --budget owns malloc
     _allocator.own()
 
-from . import _quiet_torch  # noqa: F401  (first: torch imported without its NumPy-missing warning)
+from . import (
+    _quiet_torch,  # noqa: F401  (first: torch imported without its NumPy-missing warning)
+    _source_layout,  # noqa: F401  (in a source checkout, maps backends/ and csrc/ before any import of them)
+)
 from . import exit_settle as _exit_settle
-from ._source_layout import map_source_tree_subpackages
 from .apply import apply_checkpointing, build_options, checkpointed_modules, remove_checkpointing
 from .blocks import find_blocks
 from .dropin import checkpoint
@@ -24,7 +26,6 @@ from .wrap import checkpoint_module, uncheckpoint_module
 
 __version__ = "0.1.0"
 
-map_source_tree_subpackages()
 _exit_settle.register()  # ranks that end right after a collective exit cleanly (see exit_settle)
 
 # Names provided by subpackages that import heavier dependencies, loaded on first access.

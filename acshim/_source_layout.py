@@ -3,7 +3,8 @@
 setup.py installs the repository-root folders ``backends/`` and ``csrc/`` as ``acshim.backends`` and
 ``acshim._csrc``. In a source checkout (``python -m pytest`` or a script run from the repository
 root) those folders are not inside ``acshim/``; this maps them the same way so both layouts import
-identically.
+identically. The mapping runs when this module is imported, which ``acshim/__init__.py`` does before
+any module that imports ``acshim.backends``.
 """
 
 from __future__ import annotations
@@ -32,3 +33,6 @@ def map_source_tree_subpackages() -> None:
         sys.modules[name] = module
         spec.loader.exec_module(module)
         setattr(package, name.rpartition(".")[2], module)
+
+
+map_source_tree_subpackages()
