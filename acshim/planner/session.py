@@ -652,8 +652,14 @@ class PlanSession:
         ratio = f" ({measured / plan.reference_peak:.2f}x no checkpointing)" \
             if plan.reference_peak and measured is not None else ""
         seen = "process" if plan.measured_process_peak is not None else "tracker"
-        tail = (f"predicted peak {format_bytes(plan.peak)}, measured {format_bytes(measured or 0)} ({seen}){ratio}"
-                if measured is not None else f"predicted peak {format_bytes(plan.peak)}")
+        # The whole step's prediction, comparable with the process's measured peak: the activations'
+        # peak and what the process held besides when the plan was solved (room the solver left for).
+        predicted = format_bytes(plan.peak + plan.overhead)
+        if plan.overhead:
+            predicted += (f" ({format_bytes(plan.peak)} activations + {format_bytes(plan.overhead)} "
+                          "held besides)")
+        tail = (f"predicted peak {predicted}, measured {format_bytes(measured or 0)} ({seen}){ratio}"
+                if measured is not None else f"predicted peak {predicted}")
         if self._from_file:
             tail += f"; reused from {self.plan_file} (not profiled again)"
         if brief:

@@ -107,7 +107,7 @@ def test_trl_own_sft_script_plans_at_half_and_0_3_with_weights_bitwise(small_voc
     """Issue 26 item 1: ``trl/scripts/sft.py`` (a 6x128 Llama, vocabulary 512, batch 8, 6 steps) was
     refused at every fraction: its chunked log-prob's 120 MiB ``torch.empty`` scratch buffer, of
     which it writes a page per row, was counted whole. Now both budgets plan, the predicted and
-    measured peaks are printed within 15% of each other, the planned steps' resident high-water
+    measured whole-step peaks are printed within 10% of each other, the planned steps' resident high-water
     mark is within the budget, and the saved weights equal the plain run's bitwise."""
     import torch
     from safetensors.torch import load_file
@@ -116,11 +116,11 @@ def test_trl_own_sft_script_plans_at_half_and_0_3_with_weights_bitwise(small_voc
     reference = load_file(small_vocab_dir / "plain" / "model.safetensors")
     for budget in ("0.5", "0.3"):
         planned = _trl_own(small_vocab_dir, f"planned{budget}", budget)
-        found = re.search(r"replaced 6 region\(s\).*predicted peak ([\d.]+) MiB, measured ([\d.]+) MiB",
+        found = re.search(r"replaced 6 region\(s\).*predicted peak ([\d.]+) MiB.*?, measured ([\d.]+) MiB",
                           planned["stderr"])
         assert found, planned["stderr"][-3000:]
         predicted, measured = float(found.group(1)), float(found.group(2))
-        assert abs(predicted - measured) <= max(0.15 * measured, 2.0), (budget, predicted, measured)
+        assert abs(predicted - measured) <= max(0.1 * measured, 2.0), (budget, predicted, measured)
         assert planned["peak"] <= planned["budget"], (budget, planned)
         got = load_file(small_vocab_dir / f"planned{budget}" / "model.safetensors")
         assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got), budget
