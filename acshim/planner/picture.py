@@ -16,9 +16,10 @@ from .profile import Profile
 
 MiB = 2**20
 COLOURS = {"none": "#7f7f7f", "recompute": "#1f77b4", "plan": "#2ca02c", "budget": "#d62728", "selective": "#9467bd",
-           "offload": "#ff7f0e"}
+           "offload": "#ff7f0e", "predicted": "#17becf", "measured": "#8c564b"}
 """Fixed colours (the tests read them back from the picture): no checkpointing grey, full recompute
-blue, the plan green, the budget red."""
+blue, the plan green, the budget red; the plan's whole-step prediction cyan and its measured peak
+brown (horizontal lines, drawn once the plan was verified)."""
 SIZE_INCHES, DPI = (12.0, 4.5), 100
 
 
@@ -75,9 +76,10 @@ def write_png(plan: object, path: str) -> str:
     budget = plan.budget  # type: ignore[attr-defined]
     steps.axhline(budget / MiB, color=COLOURS["budget"], linestyle="--", linewidth=1.8,
                   label=f"budget {format_bytes(budget)}")
+    _draw_prediction_and_measurement(steps, plan)
     ticks = [i for i, label in enumerate(labels) if label in ("start", "head+loss") or label.startswith("bwd")]
     steps.set_xticks(ticks, [_short(labels[i]) for i in ticks], rotation=60, fontsize=7)
-    steps.set_ylabel("activation memory (MiB, predicted)")
+    steps.set_ylabel("MiB (curves: predicted activations)")
     steps.set_title("one training step, block by block")
     steps.set_ylim(bottom=0)
     steps.legend(fontsize=8, loc="upper left")
@@ -99,6 +101,23 @@ def write_png(plan: object, path: str) -> str:
     figure.savefig(path, dpi=DPI)
     plt.close(figure)
     return f"wrote {path}"
+
+
+def _draw_prediction_and_measurement(axes: object, plan: object) -> None:
+    """Once the plan was verified: its whole-step predicted peak (the activations' and what the
+    process held besides when it was solved, the figure the one-line summary prints) and the peak
+    the verification step measured (the process's where it was read, else the tensors'), as lines."""
+    measured = plan.measured_process_peak  # type: ignore[attr-defined]
+    seen = "process"
+    if measured is None:
+        measured, seen = plan.measured_peak, "tensor storages"  # type: ignore[attr-defined]
+    if measured is None:
+        return
+    whole, besides = plan.peak + plan.overhead, plan.overhead  # type: ignore[attr-defined]
+    axes.axhline(whole / MiB, color=COLOURS["predicted"], linestyle=":", linewidth=1.8,  # type: ignore[attr-defined]
+                 label=f"predicted step peak {format_bytes(whole)} ({format_bytes(besides)} held besides)")
+    axes.axhline(measured / MiB, color=COLOURS["measured"], linestyle="-.", linewidth=1.8,  # type: ignore[attr-defined]
+                 label=f"measured peak {format_bytes(measured)} ({seen})")
 
 
 def _short(label: str) -> str:

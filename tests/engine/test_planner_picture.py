@@ -79,3 +79,41 @@ def test_png_draws_the_three_curves_under_and_over_the_budget_line(plan: acshim.
     assert green[:, right].any()
     columns = np.flatnonzero(budget[:, right].sum(axis=0) > 20)
     assert len(columns) >= 1, "no vertical budget line in the frontier panel"
+
+
+def _line_rows(path: Path, colour: str, columns: slice):
+    import numpy as np
+
+    _, found = _pixels(path, colour)
+    return np.flatnonzero(found[:, columns].sum(axis=1) > 0.15 * (columns.stop - columns.start))
+
+
+def test_png_draws_the_predicted_and_the_measured_peak_once_verified(plan: acshim.Plan, tmp_path: Path) -> None:
+    """Issue 26 item 2: ``--png`` draws the whole step's predicted peak and the measured one as lines,
+    where they are (here a measurement below the prediction and one above it); an unverified plan
+    has neither."""
+    pytest.importorskip("matplotlib")
+    import copy
+
+    width = int(picture.SIZE_INCHES[0] * picture.DPI)
+    step_panel = slice(0, int(width * 0.55))
+    unverified = tmp_path / "unverified.png"
+    picture.write_png(plan, str(unverified))
+    assert not len(_line_rows(unverified, picture.COLOURS["measured"], step_panel))
+    rows = {}
+    for name, share in (("low", 0.6), ("high", 0.95)):
+        verified = copy.copy(plan)
+        verified.overhead = plan.budget // 10
+        verified.measured_peak, verified.measured_process_peak = None, int(plan.budget * share)
+        path = tmp_path / f"{name}.png"
+        picture.write_png(verified, str(path))
+        measured = _line_rows(path, picture.COLOURS["measured"], step_panel)
+        predicted = _line_rows(path, picture.COLOURS["predicted"], step_panel)
+        budget = _line_rows(path, picture.COLOURS["budget"], step_panel)
+        assert len(measured) and len(predicted) and len(budget), name
+        rows[name] = measured.mean(), predicted.mean(), budget.mean()
+    # rows grow downwards: the higher measurement is drawn higher, and above the prediction
+    assert rows["high"][0] < rows["low"][0] - 5
+    whole = plan.peak + plan.budget // 10
+    assert (rows["high"][0] < rows["high"][1]) == (0.95 * plan.budget > whole)
+    assert (rows["low"][0] < rows["low"][1]) == (0.6 * plan.budget > whole)
