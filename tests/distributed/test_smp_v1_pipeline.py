@@ -56,3 +56,17 @@ def test_two_replicas_of_two_stages_average_gradients_bitwise(launch, torchrun) 
         case = rank["cases"]["auto_each_block"]
         assert all(case[flag] for flag in EXACT), (rank["rank"], case)
     assert sorted(result.region_counts()) == ["acshim: 8 region forwards, 8 recomputes"] * 4
+
+
+def test_pipeline_example_runs_unchanged_on_two_ranks_with_the_one_process_digest(launch, torchrun) -> None:
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "smp_v1_pipeline.py")
+    two_ranks = launch(torchrun("--no-python", ACSHIM, "run", example), timeout=240)
+    assert two_ranks.returncode == 0, two_ranks.stderr[-4000:]
+    one_process = launch([sys.executable, "-m", "acshim", "run", example, "--no-checkpointing"],
+                         env={"WORLD_SIZE": "1"})
+    assert one_process.returncode == 0, one_process.stderr[-4000:]
+    digests = [re.findall(r"GRADS [0-9a-f]{64}", run.stdout) for run in (two_ranks, one_process)]
+    assert len(digests[0]) == 1 and digests[0] == digests[1]
+    assert "(pp_rank 0 of 2)" in two_ranks.stdout
+    # 3 steps x 2 microbatches x one "contiguous" region per partition, on each rank
+    assert two_ranks.region_counts() == ["acshim: 6 region forwards, 6 recomputes"] * 2

@@ -13,7 +13,9 @@ from torch import nn
 import acshim.facades.smdistributed.modelparallel.torch as smp
 from acshim.facades.smdistributed.modelparallel.torch import partitioning
 from acshim.facades.smdistributed.modelparallel.torch.exceptions import CheckpointingConfigError
-from acshim.facades.smdistributed.modelparallel.torch.patches.checkpoint import apply_partitioned_checkpointing
+from acshim.facades.smdistributed.modelparallel.torch.patches.checkpoint import (
+    apply_partitioned_checkpointing,
+)
 from acshim.facades.smdistributed.modelparallel.torch.pipeline_runner import (
     PipelinedSequential,
     StageRunner,
