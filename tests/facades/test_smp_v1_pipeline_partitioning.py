@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 import acshim.facades.smdistributed.modelparallel.torch as smp
-from acshim.facades.smdistributed.modelparallel.torch import partitioning
-from acshim.facades.smdistributed.modelparallel.torch.exceptions import CheckpointingConfigError
-from acshim.facades.smdistributed.modelparallel.torch.patches.checkpoint import (
-    apply_partitioned_checkpointing,
-)
-from acshim.facades.smdistributed.modelparallel.torch.pipeline_runner import (
+from acshim.facades.smdistributed.modelparallel.torch import _partitioning as partitioning
+from acshim.facades.smdistributed.modelparallel.torch._pipeline_runner import (
     PipelinedSequential,
     StageRunner,
     partition_groups,
+)
+from acshim.facades.smdistributed.modelparallel.torch.exceptions import CheckpointingConfigError
+from acshim.facades.smdistributed.modelparallel.torch.patches.checkpoint import (
+    apply_partitioned_checkpointing,
 )
 
 pytestmark = pytest.mark.usefixtures("fresh_smp")

@@ -7,7 +7,7 @@ with each / contiguous / group_N) runs on acshim's engine; ``smp.step`` splits m
 averages their gradients. In one process ``DistributedModel`` is a transparent wrapper (any
 pipeline degree runs as one partition); under a launcher with pipeline degree 1 and ``ddp: True``
 it runs torch's DistributedDataParallel; with ``pipeline_parallel_degree`` > 1 the model is split
-into partitions across ranks and runs on the stage runner (``pipeline_runner``, which says why it
+into partitions across ranks and runs on the stage runner (``_pipeline_runner``, which says why it
 is not ``torch.distributed.pipelining``). Tensor and sharded data parallelism are refused by name.
 """
 

@@ -306,5 +306,5 @@ __all__ = [
     "get_tp_group", "get_rdp_group", "get_world_process_group", "get_dp_process_group",
     "get_mp_process_group", "get_pp_process_group", "get_tp_process_group", "get_rdp_process_group",
     "barrier", "dp_barrier", "mp_barrier", "pp_barrier", "tp_barrier", "rdp_barrier", "broadcast",
-    "allgather", "gather", "send", "recv_from", "pipeline_ranks", "data_parallel_ranks",
+    "allgather", "gather", "send", "recv_from",
 ]

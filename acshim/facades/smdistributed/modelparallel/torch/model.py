@@ -4,7 +4,7 @@ With ``pipeline_parallel_degree`` (pp) 1 every rank holds the whole model (one p
 launcher with ``ddp=True`` the forward then runs through torch's DistributedDataParallel, which
 averages gradients across ranks once per ``smp.step`` (the microbatches but the last run under
 ``no_sync``). With pp > 1 under a launcher the model is partitioned at its first call inside the
-first ``smp.step`` (``partitioning``) and runs on the stage runner (``pipeline_runner``): every
+first ``smp.step`` (``_partitioning``) and runs on the stage runner (``_pipeline_runner``): every
 rank keeps the module objects, but each parameter is computed, updated and saved only by its
 partition's rank; ``smp.step`` averages the local gradients across data-parallel replicas. Otherwise the wrapper is transparent: calling it calls the user's module, ``state_dict()`` has the user module's
 keys (as upstream, which returns the unwrapped model's full state dict), ``get_module()`` and
@@ -25,9 +25,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import comm, partitioning
-from . import pipeline_runner as runner_mod
-from . import pipeline_transport as transport
+from . import _partitioning as partitioning
+from . import _pipeline_runner as runner_mod
+from . import _pipeline_transport as transport
+from . import comm
 from .exceptions import (
     BwdExecutionNotInStepFnError,
     ModelNotPartitionedError,

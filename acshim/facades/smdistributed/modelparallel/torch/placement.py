@@ -1,7 +1,7 @@
 """Partitioning, tensor-parallelism and parameter-initialisation controls of SMP v1.
 
 ``smp.partition(i)`` / ``smp.set_partition(module, i)`` record manual pipeline placement, used when
-``auto_partition`` is False (see ``partitioning``): inside ``with smp.partition(i)``, every module
+``auto_partition`` is False (see ``_partitioning``): inside ``with smp.partition(i)``, every module
 that registers a parameter or is assigned as a child is placed on ``i`` (the innermost context
 wins). With automatic partitioning, or one partition, the placement is validated and unused, as
 upstream. Tensor parallelism is refused at ``smp.init``, so its markers change nothing.

@@ -12,7 +12,7 @@ The optimizer step stays outside, as upstream requires.
 
 With pipeline partitions across ranks (``pipeline_parallel_degree`` > 1 under a launcher) the
 function runs on pp_rank 0 of each model replica, the other stages serving the calls that reach
-their modules (``pipeline_runner``); every rank returns the same ``StepOutput`` values. Each rank
+their modules (``_pipeline_runner``); every rank returns the same ``StepOutput`` values. Each rank
 then averages its own parameters' gradients over the microbatches and, with several replicas,
 across them (sum over the data-parallel group, then divide by its size).
 """

@@ -8,7 +8,7 @@ microbatch, computes the loss with any Python it likes and calls ``model.backwar
 anywhere in the tree may sit on another partition and take or return nested values. So this
 runner mirrors SMP's own execution model: global rank 0 of each pipeline group (pp_rank 0, "the
 driver") runs the step function; when code on one stage calls a module placed on another, the
-call's tensors travel to that stage (``pipeline_transport``), the module runs there with autograd
+call's tensors travel to that stage (``_pipeline_transport``), the module runs there with autograd
 on, and its output comes back through an autograd Function (``RemoteCall``) whose backward sends
 the output gradients to the owner, which runs ``torch.autograd.backward`` on its saved graph and
 returns the input gradients. Calls nest (a module on stage 1 may call a child on stage 0): while
@@ -40,9 +40,9 @@ from torch import nn
 from acshim.policy import strategy_groups
 from acshim.region import run_region
 
-from . import pipeline_transport as transport
+from . import _pipeline_transport as transport
+from ._partitioning import module_list, parents_of
 from .exceptions import CheckpointingConfigError
-from .partitioning import module_list, parents_of
 
 # -- messages ---------------------------------------------------------------------------------------
 
