@@ -12,7 +12,7 @@ from pathlib import Path
 
 ACSHIM = str(Path(sys.executable).with_name("acshim"))
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "smp_v1_pipeline.py")
-EXACT = ("losses_equal", "gradients_equal", "state_dict_equal", "outputs")
+EXACT = ("losses_equal", "gradients_equal", "state_dict_equal", "outputs", "eval_equal")
 
 
 def test_pipeline_of_two_stages_is_bitwise_one_process_auto_manual_and_checkpointed(launch, torchrun) -> None:

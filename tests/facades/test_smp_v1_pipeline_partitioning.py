@@ -155,3 +155,35 @@ def test_parameters_shared_across_partitions_are_refused():
     net.seq[2].weight = net.seq[0].weight
     with pytest.raises(CheckpointingConfigError, match="shared by modules on partitions 0 and 1"):
         _runner(net, {"seq.2": 1}, manual=True)
+
+
+class _Holder:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def test_values_crossing_a_boundary_keep_every_tensor_visible_to_autograd():
+    from collections import OrderedDict
+    from dataclasses import dataclass
+
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from acshim.facades.smdistributed.modelparallel.torch._pipeline_transport import pack, unpack
+
+    @dataclass
+    class Out:
+        y: torch.Tensor
+        calls: int
+
+    a, b, c, d = (torch.full((2,), float(i)) for i in range(4))
+    value = {"ordered": OrderedDict(x=a), "dataclass": Out(b, 3), "hf": BaseModelOutput(last_hidden_state=c),
+             "rest": (d, "text", None)}
+    skeleton, tensors = pack(value)
+    assert [t is x for t, x in zip(tensors, (a, b, c, d))] == [True] * 4
+    rebuilt = unpack(skeleton, [t + 10 for t in tensors])  # every tensor comes back from the list
+    assert type(rebuilt["ordered"]) is OrderedDict and torch.equal(rebuilt["ordered"]["x"], a + 10)
+    assert type(rebuilt["dataclass"]) is Out and rebuilt["dataclass"].calls == 3
+    assert type(rebuilt["hf"]) is BaseModelOutput and torch.equal(rebuilt["hf"].last_hidden_state, c + 10)
+    assert rebuilt["rest"][1:] == ("text", None) and torch.equal(rebuilt["rest"][0], d + 10)
+    with pytest.raises(TypeError, match="_Holder holding tensors \\(tensor\\) crosses a pipeline partition boundary"):
+        pack((_Holder(a),))

@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import warnings
+from dataclasses import dataclass
 
 import smdistributed.modelparallel.torch as smp
 import torch
@@ -35,15 +36,21 @@ class Block(nn.Module):
         return self.dropout(self.linear(x)).tanh() + x
 
 
+@dataclass
+class HeadOutput:
+    y: torch.Tensor
+    calls: int
+
+
 class Head(nn.Module):
-    """Takes a keyword argument and returns a dict with a non-tensor entry (nested values cross stages)."""
+    """Takes a keyword argument and returns a dataclass with a non-tensor field (nested values cross stages)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.out = nn.Linear(WIDTH, 1)
 
-    def forward(self, x: torch.Tensor, *, scale: float) -> dict:
-        return {"y": self.out(x) * scale, "calls": 1}
+    def forward(self, x: torch.Tensor, *, scale: float) -> HeadOutput:
+        return HeadOutput(self.out(x) * scale, 1)
 
 
 class Net(nn.Module):
@@ -51,13 +58,14 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Linear(WIDTH, WIDTH)
         self.blocks = nn.Sequential(*(Block() for _ in range(4)))
+        self.act = nn.ReLU(inplace=True)  # in place on its input, which may arrive from another stage
         self.head = Head()
         if manual:  # smp.partition places modules created inside; reassigning keeps the attribute order
             with smp.partition(1):
                 self.blocks[2], self.blocks[3], self.head = Block(), Block(), Head()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(x)), scale=0.5)["y"]
+        return self.head(self.act(self.blocks(self.embed(x))), scale=0.5).y
 
 
 class Body(nn.Module):
@@ -94,7 +102,7 @@ def build(kind: str, manual: bool = False) -> nn.Module:
     return SplitNet() if kind == "split" else Net(manual)
 
 
-def reference(kind: str, replicas: int, manual: bool) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def reference(kind: str, replicas: int, manual: bool) -> tuple[list[float], list[dict[str, torch.Tensor]], nn.Module]:
     """One process, no SMP: per step and replica, microbatch gradients summed in order and divided
     by their number, then summed over the replicas and divided by their number."""
     net = build(kind, manual)
@@ -122,7 +130,12 @@ def reference(kind: str, replicas: int, manual: bool) -> tuple[list[float], list
         for name, parameter in net.named_parameters():
             parameter.grad = averaged[name]
         optimizer.step()
-    return losses, gradients, {k: v.clone() for k, v in net.state_dict().items()}
+    return losses, gradients, net
+
+
+@smp.step
+def eval_step(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
 
 
 @smp.step
@@ -172,7 +185,14 @@ def run_case(name: str, config: dict, kind: str = "net", checkpointing: str = "n
             gradients.append(gathered_gradients(model))
             optimizer.step()
     state = model.state_dict()  # a collective: every stage contributes what it owns
-    expected_losses, expected_gradients, expected_state = reference(kind, smp.dp_size(), manual)
+    model.eval()
+    with torch.no_grad():  # a forward-only step: no graph kept on any stage
+        evaluated = eval_step(model, data(9)).concat()
+    expected_losses, expected_gradients, trained = reference(kind, smp.dp_size(), manual)
+    expected_state = trained.state_dict()
+    trained.eval()
+    with torch.no_grad():
+        expected_eval = trained(data(9))
     result = {
         "losses_equal": losses == expected_losses,
         "gradients_equal": all(
@@ -181,6 +201,7 @@ def run_case(name: str, config: dict, kind: str = "net", checkpointing: str = "n
         "state_dict_equal": state.keys() == expected_state.keys()
         and all(torch.equal(state[k], expected_state[k]) for k in state),
         "outputs": outputs_match,
+        "eval_equal": torch.equal(evaluated, expected_eval),
         "local_parameters": sorted(n for n, _ in model.local_named_parameters()),
         "optimizer_parameters": sum(len(g["params"]) for g in optimizer.param_groups),
         "warnings": [str(w.message) for w in caught if "checkpointed" in str(w.message)],

@@ -358,7 +358,11 @@ class StageRunner:
                   for t, needed in zip(message.tensors, message.requires_grad)]
         torch.set_rng_state(message.rng)
         with torch.set_grad_enabled(message.grad_enabled):
-            args, kwargs = transport.unpack(message.skeleton, inputs)
+            # the module gets a non-leaf copy of each input that requires grad, as it would in one
+            # process: an in-place op on its input (ReLU(inplace=True)) is then allowed; a clone's
+            # backward passes the gradient through unchanged
+            used = [t.clone() if t.requires_grad and message.grad_enabled else t for t in inputs]
+            args, kwargs = transport.unpack(message.skeleton, used)
             skeleton, outputs = transport.pack(self.run_target(message.key, args, kwargs))
         requires_grad = [t.requires_grad for t in outputs]
         if message.grad_enabled and any(requires_grad):

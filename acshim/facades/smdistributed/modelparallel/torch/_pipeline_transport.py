@@ -7,11 +7,15 @@ script sent with ``smp.send`` / ``smp.broadcast`` (tag 0). Tensors are cloned be
 microbatch view does not ship the storage of the whole batch.
 
 ``pack``/``unpack`` split a call's arguments or a module's output into a picklable skeleton and a
-list of tensors (tuples, lists, namedtuples and dicts are walked; other objects travel pickled).
+list of tensors: tuples, lists, namedtuples, dicts (subclasses such as Hugging Face's
+``ModelOutput`` included) and dataclasses are walked; other objects travel pickled, and one that
+holds a tensor is refused (its tensor would cross the partition boundary without its gradient).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -62,9 +66,37 @@ def pack(value: Any) -> tuple[Any, list[torch.Tensor]]:
             return type(item)(walk(x) for x in item)
         if type(item) is dict:
             return {key: walk(x) for key, x in item.items()}
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):  # Hugging Face's ModelOutput too
+            fields = {f.name: walk(getattr(item, f.name)) for f in dataclasses.fields(item) if f.init}
+            return _DataclassOf(type(item), fields)
+        if isinstance(item, dict):
+            template = copy.copy(item)
+            for key, x in item.items():
+                template[key] = walk(x)
+            return _DictOf(template)
+        held = [k for k, v in getattr(item, "__dict__", {}).items() if isinstance(v, torch.Tensor)]
+        if held:
+            raise TypeError(
+                f"a {type(item).__name__} holding tensors ({', '.join(held)}) crosses a pipeline partition boundary: "
+                "pass and return tensors in tuples, lists, dicts or dataclasses, so their gradients can follow them")
         return item
 
     return walk(value), tensors
+
+
+@dataclass(frozen=True)
+class _DictOf:
+    """A dict subclass in a skeleton: a copy of it holding the walked values."""
+
+    template: Any
+
+
+@dataclass(frozen=True)
+class _DataclassOf:
+    """A dataclass in a skeleton: its type and its walked ``__init__`` fields."""
+
+    kind: type
+    fields: dict[str, Any]
 
 
 def unpack(skeleton: Any, tensors: list[Any]) -> Any:
@@ -77,6 +109,13 @@ def unpack(skeleton: Any, tensors: list[Any]) -> Any:
         return type(skeleton)(unpack(x, tensors) for x in skeleton)
     if type(skeleton) is dict:
         return {key: unpack(x, tensors) for key, x in skeleton.items()}
+    if isinstance(skeleton, _DictOf):
+        rebuilt = copy.copy(skeleton.template)
+        for key, x in skeleton.template.items():
+            rebuilt[key] = unpack(x, tensors)
+        return rebuilt
+    if isinstance(skeleton, _DataclassOf):
+        return skeleton.kind(**{name: unpack(x, tensors) for name, x in skeleton.fields.items()})
     return skeleton
 
 
