@@ -187,3 +187,18 @@ def test_values_crossing_a_boundary_keep_every_tensor_visible_to_autograd():
     assert rebuilt["rest"][1:] == ("text", None) and torch.equal(rebuilt["rest"][0], d + 10)
     with pytest.raises(TypeError, match="_Holder holding tensors \\(tensor\\) crosses a pipeline partition boundary"):
         pack((_Holder(a),))
+
+
+def test_budget_planner_with_pipeline_across_ranks_is_refused_by_name(monkeypatch):
+    from acshim import region
+    from acshim.facades.smdistributed.modelparallel.torch import _require_supported_layout
+    from acshim.facades.smdistributed.modelparallel.torch.config import parse_config
+    from acshim.facades.smdistributed.modelparallel.torch.exceptions import SMPUnsupportedError
+    from acshim.planner.session import PlanSession
+
+    config = parse_config({"pipeline_parallel_degree": 2, "ddp": True}, use_environment=False)
+    _require_supported_layout(config, 2)  # without --budget: two stages on two ranks
+    monkeypatch.setattr(region, "ROUTERS", [PlanSession("0.5")])  # what `acshim run --budget 0.5` installs
+    with pytest.raises(SMPUnsupportedError, match="does not plan pipeline stages yet; drop --budget"):
+        _require_supported_layout(config, 2)
+    _require_supported_layout(parse_config({"ddp": True}, use_environment=False), 2)  # data parallel plans
