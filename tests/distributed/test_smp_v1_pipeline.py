@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import re
 import sys
+import textwrap
 from pathlib import Path
+
+import pytest
 
 ACSHIM = str(Path(sys.executable).with_name("acshim"))
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "smp_v1_pipeline.py")
@@ -70,3 +73,62 @@ def test_pipeline_example_runs_unchanged_on_two_ranks_with_the_one_process_diges
     assert "(pp_rank 0 of 2)" in two_ranks.stdout
     # 3 steps x 2 microbatches x one "contiguous" region per partition, on each rank
     assert two_ranks.region_counts() == ["acshim: 6 region forwards, 6 recomputes"] * 2
+
+
+SPLIT_BY_HAND = """
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            with smp.partition(1):
+                self.second = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    net = nn.Sequential(Body(), nn.Linear(4, 1))
+    model = smp.DistributedModel(net)
+    smp.set_activation_checkpointing(net[0])
+"""
+FAILS_ON_STAGE_1 = """
+    class Bad(nn.Module):
+        def forward(self, x):
+            raise ValueError("bad shape on stage 1")
+
+    net = nn.Sequential(nn.Linear(4, 4))
+    with smp.partition(1):
+        net.append(Bad())
+    model = smp.DistributedModel(net)
+"""
+
+
+@pytest.mark.parametrize(("model", "errors"), [
+    (SPLIT_BY_HAND, ["CheckpointingConfigError: set_activation_checkpointing of module '0': its module tree spans "
+                     "partitions [0, 1]"] * 2),
+    (FAILS_ON_STAGE_1, ["RuntimeError: pipeline stage of rank 1 failed: ValueError: bad shape on stage 1",
+                        "PipelineAborted: RuntimeError: pipeline stage of rank 1 failed"]),
+], ids=["checkpointed_module_split_by_hand", "module_fails_on_another_stage"])
+def test_errors_reach_every_stage_and_no_rank_hangs(launch, torchrun, tmp_path, model, errors) -> None:
+    script = tmp_path / "pipeline_error.py"
+    script.write_text(textwrap.dedent("""
+        import smdistributed.modelparallel.torch as smp
+        import torch
+        from torch import nn
+
+        smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False,
+                  "default_partition": 0})
+    """) + textwrap.dedent(model) + textwrap.dedent("""
+        @smp.step
+        def train_step(model, x):
+            loss = model(x).sum()
+            model.backward(loss)
+            return loss
+
+        train_step(model, torch.randn(4, 4))
+        print("trained")
+    """))
+    result = launch(torchrun("--no-python", ACSHIM, "run", str(script)), timeout=90)
+    assert result.returncode != 0 and "trained" not in result.stdout
+    lines = result.stderr.splitlines()
+    for rank, error in enumerate(errors):  # torchrun prefixes each rank's traceback lines with [rankN]:
+        assert any(line.startswith(f"[rank{rank}]: ") and error in line for line in lines), result.stderr[-3000:]

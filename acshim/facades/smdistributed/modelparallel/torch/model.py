@@ -125,11 +125,17 @@ class DistributedModel(nn.Module):
     def _apply_partitions(self, partitions: list[int]) -> None:
         from .patches.checkpoint import apply_partitioned_checkpointing
 
-        runner = runner_mod.StageRunner(self.module, partitions, comm.pp_rank(), comm.pipeline_ranks(),
-                                        manual=not state.config().auto_partition)
+        try:
+            runner = runner_mod.StageRunner(self.module, partitions, comm.pp_rank(), comm.pipeline_ranks(),
+                                            manual=not state.config().auto_partition)
+            for mark in state.checkpoint_marks:
+                apply_partitioned_checkpointing(runner, *mark)
+        except Exception:
+            # every rank applies the same assignment to the same model and meets the same error: none
+            # waits for another (``_end_pipeline_step`` sends nothing)
+            object.__setattr__(self, "_partition_failed", True)
+            raise
         object.__setattr__(self, "_runner", runner)
-        for mark in state.checkpoint_marks:
-            apply_partitioned_checkpointing(runner, *mark)
         state.checkpoint_marks.clear()
         runner_mod.install(runner)
         if state.optimizer is not None:
@@ -147,6 +153,8 @@ class DistributedModel(nn.Module):
 
     def _end_pipeline_step(self, outputs: Any = None, error: str | None = None) -> None:
         """The driver: end the step on every other stage (with the outputs, or the error met)."""
+        if getattr(self, "_partition_failed", False):
+            return
         if self._runner is not None:
             self._runner.end_step(outputs, error)
             return
