@@ -28,7 +28,8 @@ def test_pipeline_of_two_stages_is_bitwise_one_process_auto_manual_and_checkpoin
     for rank in ranks:
         for name, case in rank["cases"].items():
             assert all(case[flag] for flag in EXACT), (rank["rank"], name, case)
-    # each stage owns, steps and saves half of the parameters; together all of them
+    # each stage owns, steps and saves half of the parameters (the others' are released); together all
+    assert all(case["others_released"] for r in ranks for case in r["cases"].values())
     for name in ("auto", "auto_each_block", "manual_group_3"):
         first, second = (r["cases"][name]["local_parameters"] for r in ranks)
         assert "embed.weight" in first and "head.out.weight" in second and not set(first) & set(second)

@@ -203,6 +203,8 @@ def run_case(name: str, config: dict, kind: str = "net", checkpointing: str = "n
         "outputs": outputs_match,
         "eval_equal": torch.equal(evaluated, expected_eval),
         "local_parameters": sorted(n for n, _ in model.local_named_parameters()),
+        "others_released": all(p.numel() == 0 for n, p in net.named_parameters()
+                               if n not in dict(model.local_named_parameters())),
         "optimizer_parameters": sum(len(g["params"]) for g in optimizer.param_groups),
         "warnings": [str(w.message) for w in caught if "checkpointed" in str(w.message)],
     }

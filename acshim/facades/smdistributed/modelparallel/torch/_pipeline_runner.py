@@ -216,6 +216,14 @@ class StageRunner:
                         "share it on one partition (smp.partition / smp.set_partition)")
         return stages
 
+    def release_other_partitions(self) -> None:
+        """Free the storage of every parameter another stage owns (it becomes an empty tensor of the
+        same dtype and device): this rank never computes with it, and its owner saves it."""
+        for parameter, stage in self.parameter_stage.items():
+            if stage != self.stage:
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+                parameter.grad = None
+
     def stages_of(self, module: nn.Module) -> set[int]:
         """The partitions ``module`` and its descendants lie on."""
         return {self.partition[m] for m in module.modules()}

@@ -3,15 +3,19 @@
 With ``pipeline_parallel_degree`` (pp) 1 every rank holds the whole model (one partition). Under a
 launcher with ``ddp=True`` the forward then runs through torch's DistributedDataParallel, which
 averages gradients across ranks once per ``smp.step`` (the microbatches but the last run under
-``no_sync``). With pp > 1 under a launcher the model is partitioned at its first call inside the
-first ``smp.step`` (``_partitioning``) and runs on the stage runner (``_pipeline_runner``): every
-rank keeps the module objects, but each parameter is computed, updated and saved only by its
-partition's rank; ``smp.step`` averages the local gradients across data-parallel replicas. Otherwise the wrapper is transparent: calling it calls the user's module, ``state_dict()`` has the user module's
-keys (as upstream, which returns the unwrapped model's full state dict), ``get_module()`` and
-``.module`` return the user module. What stays SMP-specific is the contract around ``smp.step``:
-``backward`` only inside a step function, ``partitioned`` turning True at the first step,
-post-partition hooks called then with ``(model, optimizer)``, and gradients averaged across
-microbatches (done by ``smp.step``).
+``no_sync``). Otherwise the wrapper is transparent: calling it calls the user's module,
+``state_dict()`` has the user module's keys (as upstream, which returns the unwrapped model's full
+state dict), ``get_module()`` and ``.module`` return the user module.
+
+With pp > 1 under a launcher the model is partitioned at its first call inside the first
+``smp.step`` (``_partitioning``) and runs on the stage runner (``_pipeline_runner``): every rank
+keeps the module objects, but each parameter is computed, updated and saved only by its
+partition's rank, and released (an empty tensor) on the others; ``smp.step`` averages the local
+gradients across data-parallel replicas; ``state_dict()`` gathers every entry from its owner.
+
+What stays SMP-specific is the contract around ``smp.step``: ``backward`` only inside a step
+function, ``partitioned`` turning True at the first step, post-partition hooks called then with
+``(model, optimizer)``, and gradients averaged across microbatches (done by ``smp.step``).
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ class DistributedModel(nn.Module):
         runner_mod.install(runner)
         if state.optimizer is not None:
             state.optimizer._keep_local_parameters(self)
+        runner.release_other_partitions()
         self._partition()
 
     def _serve_pipeline_step(self) -> list[Any]:
@@ -341,8 +346,10 @@ class DistributedModel(nn.Module):
         cleaned = {k: v for k, v in state_dict.items() if k not in _SMP_KEYS}
         if self._runner is None:
             return self.module.load_state_dict(cleaned, strict=strict, assign=assign)
+        local, known = self._local_keys(), set(self.module.state_dict(keep_vars=True))
+        cleaned = {k: v for k, v in cleaned.items() if k in local or k not in known}  # others' are released here
         result = self.module.load_state_dict(cleaned, strict=False, assign=assign)
-        missing = sorted(set(result.missing_keys) & self._local_keys())
+        missing = sorted(set(result.missing_keys) & local)
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(f"Error(s) in loading state_dict for partition {self._runner.stage}: missing keys "
                                f"{missing}, unexpected keys {sorted(result.unexpected_keys)}")
