@@ -17,7 +17,10 @@ from acshim.facades.smdistributed.modelparallel.torch._pipeline_runner import (
     StageRunner,
     partition_groups,
 )
-from acshim.facades.smdistributed.modelparallel.torch.exceptions import CheckpointingConfigError
+from acshim.facades.smdistributed.modelparallel.torch.exceptions import (
+    CheckpointingConfigError,
+    SMPUnsupportedError,
+)
 from acshim.facades.smdistributed.modelparallel.torch.patches.checkpoint import (
     apply_partitioned_checkpointing,
 )
@@ -153,7 +156,7 @@ def test_sequential_spanning_partitions_runs_groups_on_their_partitions():
 def test_parameters_shared_across_partitions_are_refused():
     net = Net()
     net.seq[2].weight = net.seq[0].weight
-    with pytest.raises(CheckpointingConfigError, match="shared by modules on partitions 0 and 1"):
+    with pytest.raises(SMPUnsupportedError, match="seq.2.weight is shared by modules on partitions 0 and 1"):
         _runner(net, {"seq.2": 1}, manual=True)
 
 
@@ -193,7 +196,6 @@ def test_budget_planner_with_pipeline_across_ranks_is_refused_by_name(monkeypatc
     from acshim import region
     from acshim.facades.smdistributed.modelparallel.torch import _require_supported_layout
     from acshim.facades.smdistributed.modelparallel.torch.config import parse_config
-    from acshim.facades.smdistributed.modelparallel.torch.exceptions import SMPUnsupportedError
     from acshim.planner.session import PlanSession
 
     config = parse_config({"pipeline_parallel_degree": 2, "ddp": True}, use_environment=False)

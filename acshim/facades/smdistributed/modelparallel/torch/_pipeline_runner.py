@@ -42,7 +42,7 @@ from acshim.region import run_region
 
 from . import _pipeline_transport as transport
 from ._partitioning import module_list, parents_of
-from .exceptions import CheckpointingConfigError
+from .exceptions import CheckpointingConfigError, SMPUnsupportedError
 
 # -- messages ---------------------------------------------------------------------------------------
 
@@ -210,7 +210,7 @@ class StageRunner:
             for name, parameter in module.named_parameters(recurse=False):
                 stage = self.partition[module]
                 if stages.setdefault(parameter, stage) != stage:
-                    raise CheckpointingConfigError(
+                    raise SMPUnsupportedError(
                         f"parameter {names[module]}.{name} is shared by modules on partitions {stages[parameter]} and "
                         f"{stage}: acshim does not tie weights across pipeline partitions; place the modules that "
                         "share it on one partition (smp.partition / smp.set_partition)")
