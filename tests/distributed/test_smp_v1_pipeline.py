@@ -1,6 +1,7 @@
 """SMP v1 pipeline parallelism on real gloo ranks (torchrun under ``acshim run``): the model split
 into 2 partitions (automatic by measured memory, or manual with ``smp.partition``), microbatches
-through ``@smp.step``, with and without ``smp.set_activation_checkpointing``; every parameter's
+through ``@smp.step``, with and without ``smp.set_activation_checkpointing`` and with
+``checkpoint`` / ``checkpoint_sequential`` called from the model's forward; every parameter's
 gradient, gathered from the stage that owns it, the losses and the trained state dict are bitwise
 those of the same model on one process with the same microbatch split."""
 
@@ -30,7 +31,7 @@ def test_pipeline_of_two_stages_is_bitwise_one_process_auto_manual_and_checkpoin
             assert all(case[flag] for flag in EXACT), (rank["rank"], name, case)
     # each stage owns, steps and saves half of the parameters (the others' are released); together all
     assert all(case["others_released"] for r in ranks for case in r["cases"].values())
-    for name in ("auto", "auto_each_block", "manual_group_3"):
+    for name in ("auto", "auto_each_block", "manual_group_3", "manual_in_forward"):
         first, second = (r["cases"][name]["local_parameters"] for r in ranks)
         assert "embed.weight" in first and "head.out.weight" in second and not set(first) & set(second)
         assert [r["cases"][name]["optimizer_parameters"] for r in ranks] == [len(first), len(second)]
@@ -45,8 +46,10 @@ def test_pipeline_of_two_stages_is_bitwise_one_process_auto_manual_and_checkpoin
     assert "Partition assignments: main: 0, embed: 0, blocks: 0, blocks.0: 0" in result.stderr
     assert re.search(r"blocks\.2: 1, .*head: 1", result.stderr)
     # regions run on the stage owning them: per rank, 2 steps x 2 microbatches x (2 blocks each,
-    # 1 contiguous group, 1 group_3 group cut at the boundary); none in the split case
-    assert sorted(result.region_counts()) == ["acshim: 16 region forwards, 16 recomputes"] * 2
+    # 1 contiguous group, 1 group_3 group cut at the boundary, and from forward 2: embed and blocks
+    # (0, 1) on stage 0, blocks (2, 3) and the head on stage 1) = 24; none in the split case; plus
+    # 16 of the in-forward case's one-process reference, run on each rank
+    assert sorted(result.region_counts()) == ["acshim: 40 region forwards, 40 recomputes"] * 2
 
 
 def test_two_replicas_of_two_stages_average_gradients_bitwise(launch, torchrun) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import smdistributed.modelparallel.torch as smp
 import torch
+from smdistributed.modelparallel.torch.patches.checkpoint import checkpoint, checkpoint_sequential
 from torch import nn
 
 WIDTH, BATCH, MICROBATCHES, STEPS = 8, 8, 2, 2
@@ -79,6 +80,17 @@ class Body(nn.Module):
         return self.second(self.first(x))
 
 
+class InlineNet(Net):
+    """Net checkpointed from its own forward: ``checkpoint`` on a module of either stage (placed by
+    hand, the head is on stage 1, so its region runs there) and ``checkpoint_sequential`` over the
+    blocks, which span both stages (group_3 cut at the boundary: (0, 1) and (2, 3))."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.embed, x)
+        h = checkpoint_sequential(self.blocks, h, strategy="group_3")
+        return checkpoint(self.head, self.act(h), scale=0.5).y
+
+
 class SplitNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -99,7 +111,9 @@ def data(step: int) -> torch.Tensor:
 
 def build(kind: str, manual: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return SplitNet() if kind == "split" else Net(manual)
+    if kind == "split":
+        return SplitNet()
+    return InlineNet(manual) if kind == "inline" else Net(manual)
 
 
 def reference(kind: str, replicas: int, manual: bool) -> tuple[list[float], list[dict[str, torch.Tensor]], nn.Module]:
@@ -188,7 +202,9 @@ def run_case(name: str, config: dict, kind: str = "net", checkpointing: str = "n
     model.eval()
     with torch.no_grad():  # a forward-only step: no graph kept on any stage
         evaluated = eval_step(model, data(9)).concat()
-    expected_losses, expected_gradients, trained = reference(kind, smp.dp_size(), manual)
+    replicas = smp.dp_size()
+    smp.reset()  # the one-process reference below runs outside the pipelined model
+    expected_losses, expected_gradients, trained = reference(kind, replicas, manual)
     expected_state = trained.state_dict()
     trained.eval()
     with torch.no_grad():
@@ -245,6 +261,7 @@ CASES = {
     "auto_contiguous": ({"pipeline": "simple"}, "net", "sequential_contiguous"),
     "manual_group_3": ({"auto_partition": False, "default_partition": 0}, "net", "sequential_group_3"),
     "auto_split": ({}, "split", "split_body"),
+    "manual_in_forward": ({"auto_partition": False, "default_partition": 0}, "inline", "none"),
 }
 
 
