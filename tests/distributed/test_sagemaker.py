@@ -31,8 +31,11 @@ def test_smp_v1_ddp_averages_gradients_across_ranks_and_checkpointing_is_exact(l
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"partitions": 1}, "set 'ddp': True in the smp config"),
-    ({"partitions": 2, "ddp": True}, "pipeline_parallel_degree=2 with 2 processes: acshim keeps the whole model"),
-], ids=["without_ddp", "pipeline_across_ranks"])
+    ({"tensor_parallel_degree": 2, "ddp": True},
+     "tensor_parallel_degree=2 with 2 processes: acshim does not provide tensor parallelism"),
+    ({"sharded_data_parallel_degree": 2, "ddp": True},
+     "sharded_data_parallel_degree=2 with 2 processes: acshim does not provide sharded data parallelism"),
+], ids=["without_ddp", "tensor_parallel", "sharded_data_parallel"])
 def test_smp_v1_several_ranks_refuse_what_acshim_does_not_do_at_init(launch, torchrun, tmp_path, config,
                                                                      message) -> None:
     script = tmp_path / "smp_init.py"

@@ -1,12 +1,14 @@
-"""Facade of ``smdistributed.modelparallel.torch`` (SageMaker model parallelism v1, PyTorch) for one process.
+"""Facade of ``smdistributed.modelparallel.torch`` (SageMaker model parallelism v1, PyTorch).
 
 ``import smdistributed.modelparallel.torch as smp`` becomes
 ``import acshim.facades.smdistributed.modelparallel.torch as smp``. Activation checkpointing
 (``smp.patches.checkpoint.checkpoint`` / ``checkpoint_sequential``, ``smp.set_activation_checkpointing``
 with each / contiguous / group_N) runs on acshim's engine; ``smp.step`` splits microbatches and
-averages their gradients. Every rank holds the whole model: in one process ``DistributedModel`` is
-a transparent wrapper; under a launcher with ``ddp: True`` it runs torch's DistributedDataParallel,
-which averages gradients across ranks.
+averages their gradients. In one process ``DistributedModel`` is a transparent wrapper (any
+pipeline degree runs as one partition); under a launcher with pipeline degree 1 and ``ddp: True``
+it runs torch's DistributedDataParallel; with ``pipeline_parallel_degree`` > 1 the model is split
+into partitions across ranks and runs on the stage runner (``_pipeline_runner``, which says why it
+is not ``torch.distributed.pipelining``). Tensor and sharded data parallelism are refused by name.
 """
 
 from __future__ import annotations
@@ -100,12 +102,14 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     cfg = parse_config(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 or comm.size() > 1:
-        _require_data_parallel_only(cfg, max(world_size, comm.size()))
+        _require_supported_layout(cfg, max(world_size, comm.size()))
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        comm._create_process_groups()
     state.reset_model_state()
     state.cfg = cfg
+    if comm.size() > 1:
+        comm._create_process_groups()
+        return
     for key in _MODEL_PARALLEL_DEGREES:
         if cfg.values[key] > 1:
             warnings.warn(f"smp config {key}={cfg.values[key]}: acshim runs this script in one process, so the "
@@ -113,20 +117,41 @@ def init(config: Mapping[str, Any] | None = None) -> None:
 
 
 _MODEL_PARALLEL_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree")
+_REFUSED_DEGREES = {
+    "tensor_parallel_degree": "tensor parallelism (splitting single layers across ranks)",
+    "sharded_data_parallel_degree": "sharded data parallelism (SMP's ZeRO-style parameter sharding)",
+}
 
 
-def _require_data_parallel_only(cfg: Any, world_size: int) -> None:
-    """Several ranks: acshim runs SMP's data parallelism on torch DDP and never splits the model."""
-    for key in _MODEL_PARALLEL_DEGREES:
+def _require_supported_layout(cfg: Any, world_size: int) -> None:
+    """Several ranks: pipeline stages x data-parallel replicas; tensor and sharded data parallelism refused."""
+    for key, what in _REFUSED_DEGREES.items():
         if cfg.values[key] > 1:
             raise SMPUnsupportedError(
-                f"smp config {key}={cfg.values[key]} with {world_size} processes: acshim keeps the whole model on "
-                f"every rank and does not split it across ranks; set {key} to 1 (data parallelism over all "
-                "ranks, with activation checkpointing for memory) or run one process")
-    if not cfg.values["ddp"]:
+                f"smp config {key}={cfg.values[key]} with {world_size} processes: acshim does not provide {what}; "
+                f"set {key} to 1 and use pipeline_parallel_degree and data parallelism (ddp), with activation "
+                "checkpointing for memory")
+    stages = cfg.values["pipeline_parallel_degree"]
+    if stages > 1 and _budget_planner_active():
         raise SMPUnsupportedError(
-            f"{world_size} processes with model-parallel degree 1 are data-parallel replicas, which SMP runs "
-            "through DDP: set 'ddp': True in the smp config")
+            f"acshim run --budget with smp config pipeline_parallel_degree={stages} across {world_size} processes: the "
+            "budget planner plans one process's whole model and does not plan pipeline stages yet; drop --budget "
+            "(checkpoint with smp.set_activation_checkpointing) or set pipeline_parallel_degree to 1")
+    if world_size % stages != 0:
+        raise SMPUnsupportedError(
+            f"smp config pipeline_parallel_degree={stages} with {world_size} processes: the number of processes must "
+            "be a multiple of the pipeline degree (each model replica takes pipeline_parallel_degree ranks)")
+    if world_size // stages > 1 and not cfg.values["ddp"]:
+        raise SMPUnsupportedError(
+            f"{world_size} processes with pipeline_parallel_degree={stages} are {world_size // stages} data-parallel "
+            "replicas, which SMP runs through DDP: set 'ddp': True in the smp config")
+
+
+def _budget_planner_active() -> bool:
+    """Whether ``acshim run --budget`` / ``acshim plan`` routes this process's regions to a plan."""
+    from acshim.region import ROUTERS
+
+    return any(type(router).__name__ == "PlanSession" for router in ROUTERS)
 
 
 def is_initialized() -> bool:

@@ -1,9 +1,12 @@
 """Ranks, groups and collectives of SMP v1 (smdistributed.modelparallel.torch.core / comm).
 
-acshim keeps the whole model on every rank (model-parallel degree 1), so under a launcher the
-data-parallel group (DP, RDP) is the world and each model-parallel group (MP, PP, TP) is the rank
-alone. Without torch.distributed, one process is rank 0 of groups of size 1: barriers return at
-once, ``allgather`` and ``gather`` return ``[obj]``, and ``send`` / ``recv_from`` have no peer and raise.
+Under a launcher the ranks form ``pipeline_parallel_degree`` (pp) stages times ``world / pp``
+data-parallel replicas, laid out as SMP's default ``placement_strategy="cluster"``: the ranks of
+one model replica are contiguous, so ``pp_rank = rank % pp`` and ``dp_rank = rank // pp``. The
+model-parallel group (MP) is the pipeline group (PP; tensor parallelism is refused, so TP is the
+rank alone) and RDP is DP. With pp 1 the data-parallel group is the world. Without
+torch.distributed, one process is rank 0 of groups of size 1: barriers return at once,
+``allgather`` and ``gather`` return ``[obj]``, and ``send`` / ``recv_from`` have no peer and raise.
 Collectives go through torch.distributed (gloo or NCCL, whichever the job initialised).
 """
 
@@ -74,6 +77,35 @@ def local_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", size())) if _distributed() else 1
 
 
+def _pipeline_degree() -> int:
+    """Pipeline stages per model replica: the config's degree under a launcher, else 1."""
+    if size() == 1:
+        return 1
+    from .state_mod import state
+
+    return state.cfg.partitions if state.cfg is not None else 1
+
+
+def pp_rank() -> int:
+    """This rank's pipeline stage (0 .. pp_size() - 1)."""
+    return rank() % _pipeline_degree()
+
+
+def pp_size() -> int:
+    """Pipeline stages per model replica (``pipeline_parallel_degree`` under a launcher, else 1)."""
+    return _pipeline_degree()
+
+
+def dp_rank() -> int:
+    """Which model replica this rank belongs to."""
+    return rank() // _pipeline_degree()
+
+
+def dp_size() -> int:
+    """How many model replicas train on their own data."""
+    return size() // _pipeline_degree()
+
+
 def _zero() -> int:
     return 0
 
@@ -82,98 +114,158 @@ def _one() -> int:
     return 1
 
 
-# Every rank holds the whole model (model-parallel degree 1), so the data-parallel group is the
-# world and each model-parallel group is the rank itself.
-dp_rank = rdp_rank = rank
-dp_size = rdp_size = size
-mp_rank = pp_rank = tp_rank = _zero
-mp_size = pp_size = tp_size = _one
+rdp_rank, rdp_size, mp_rank, mp_size = dp_rank, dp_size, pp_rank, pp_size
+tp_rank, tp_size = _zero, _one
 
 
-def _all_ranks() -> list[int]:
-    return list(range(size()))
+def pipeline_ranks(replica: int | None = None) -> list[int]:
+    """Global ranks of the pipeline group of ``replica`` (this rank's by default), by stage."""
+    degree = _pipeline_degree()
+    base = (dp_rank() if replica is None else replica) * degree
+    return list(range(base, base + degree))
+
+
+def data_parallel_ranks(stage: int | None = None) -> list[int]:
+    """Global ranks holding stage ``stage`` (this rank's by default) of every replica."""
+    degree = _pipeline_degree()
+    stage = pp_rank() if stage is None else stage
+    return [replica * degree + stage for replica in range(size() // degree)]
+
+
+def get_pp_group() -> list[int]:
+    return pipeline_ranks()
+
+
+def get_dp_group() -> list[int]:
+    return data_parallel_ranks()
 
 
 def _own_rank() -> list[int]:
     return [rank()]
 
 
-get_dp_group = get_rdp_group = _all_ranks
-get_mp_group = get_pp_group = get_tp_group = _own_rank
+get_rdp_group, get_mp_group, get_tp_group = get_dp_group, get_pp_group, _own_rank
 
-_DATA_PARALLEL = (CommGroup.WORLD, CommGroup.DP_GROUP, CommGroup.RDP_GROUP)
-_own_groups: dict[int, Any] = {}
+_DATA_PARALLEL = (CommGroup.DP_GROUP, CommGroup.RDP_GROUP)
+_PIPELINE = (CommGroup.PP_GROUP, CommGroup.MP_GROUP)
+_groups: dict[str, Any] = {}
 
 
 def _create_process_groups() -> None:
-    """Create each rank's one-rank model-parallel group (``new_group`` is collective, so every rank
-    creates every group, as torch requires); called by ``smp.init``."""
-    _own_groups.clear()
-    if size() > 1:
-        for each in range(size()):
-            group = torch.distributed.new_group([each])
-            if each == rank():
-                _own_groups[each] = group
+    """Create this rank's pipeline, data-parallel and one-rank groups (``new_group`` is collective,
+    so every rank creates every group in the same order, as torch requires); called by ``smp.init``."""
+    _groups.clear()
+    if size() == 1:
+        return
+    degree = _pipeline_degree()
+    candidates = ([("own", [each]) for each in range(size())]
+                  + [("pp", pipeline_ranks(replica)) for replica in range(size() // degree)]
+                  + [("dp", data_parallel_ranks(stage)) for stage in range(degree)])
+    for kind, ranks in candidates:
+        if len(ranks) == size():
+            group = torch.distributed.group.WORLD
+        else:
+            group = torch.distributed.new_group(ranks)
+        if rank() in ranks:
+            _groups[kind] = group
 
 
 def _world_group() -> Any:
     return torch.distributed.group.WORLD if _distributed() else None
 
 
-def _own_group() -> Any:
-    return _own_groups.get(rank(), _world_group()) if size() > 1 else _world_group()
+def _group(kind: str) -> Any:
+    return _groups.get(kind, _world_group()) if size() > 1 else _world_group()
 
 
-get_world_process_group = get_dp_process_group = get_rdp_process_group = _world_group
-get_mp_process_group = get_pp_process_group = get_tp_process_group = _own_group
+def get_world_process_group() -> Any:
+    return _world_group()
+
+
+def get_dp_process_group() -> Any:
+    return _group("dp")
+
+
+def get_pp_process_group() -> Any:
+    return _group("pp")
+
+
+def get_tp_process_group() -> Any:
+    return _group("own")
+
+
+get_rdp_process_group, get_mp_process_group = get_dp_process_group, get_pp_process_group
+
+
+def _members(group: CommGroup) -> list[int]:
+    """Global ranks of ``group`` as seen from this rank, in group-rank order."""
+    group = CommGroup(group)
+    if group == CommGroup.WORLD:
+        return list(range(size()))
+    if group in _DATA_PARALLEL:
+        return data_parallel_ranks()
+    if group in _PIPELINE:
+        return pipeline_ranks()
+    return [rank()]
+
+
+def _process_group(group: CommGroup) -> Any:
+    group = CommGroup(group)
+    if group in _DATA_PARALLEL:
+        return get_dp_process_group()
+    if group in _PIPELINE:
+        return get_pp_process_group()
+    return _world_group()
 
 
 def _spans_ranks(group: CommGroup) -> bool:
-    return size() > 1 and CommGroup(group) in _DATA_PARALLEL
+    return size() > 1 and len(_members(group)) > 1
 
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
-    """Wait for the other ranks of ``group`` (model-parallel groups hold this rank only)."""
+    """Wait for the other ranks of ``group`` (a one-rank group returns at once)."""
     if _spans_ranks(group):
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=_process_group(group))
 
 
-def _data_parallel_barrier() -> None:
-    if size() > 1:
-        torch.distributed.barrier()
+def dp_barrier() -> None:
+    barrier(CommGroup.DP_GROUP)
+
+
+def pp_barrier() -> None:
+    barrier(CommGroup.PP_GROUP)
 
 
 def _no_wait() -> None:
-    """A model-parallel group holds this rank only: nobody else to wait for."""
+    """Tensor parallelism is refused: the TP group holds this rank only."""
 
 
-dp_barrier = rdp_barrier = _data_parallel_barrier
-mp_barrier = pp_barrier = tp_barrier = _no_wait
+rdp_barrier, mp_barrier, tp_barrier = dp_barrier, pp_barrier, _no_wait
 
 
 def broadcast(obj: Any, group: CommGroup) -> None:
     """Send ``obj`` to every other rank of ``group``; they take it with ``recv_from(this rank, ...)``."""
     if _spans_ranks(group):
-        for other in range(size()):
+        for other in _members(group):
             if other != rank():
                 torch.distributed.send_object_list([obj], dst=other)
 
 
 def allgather(obj: Any, group: CommGroup) -> list[Any]:
-    """``obj`` of every rank of ``group``, in rank order."""
+    """``obj`` of every rank of ``group``, in group-rank order."""
     if not _spans_ranks(group):
         return [obj]
-    gathered: list[Any] = [None] * size()
-    torch.distributed.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * len(_members(group))
+    torch.distributed.all_gather_object(gathered, obj, group=_process_group(group))
     return gathered
 
 
 def gather(obj: Any, group: CommGroup, rank: int = 0) -> list[Any] | None:
-    """``obj`` of every rank of ``group`` on ``rank`` (in rank order); None on the other ranks."""
+    """``obj`` of every rank of ``group`` on its group rank ``rank`` (in rank order); None elsewhere."""
     if not _spans_ranks(group):
         return [obj]
     gathered = allgather(obj, group)
-    return gathered if _this_rank() == rank else None
+    return gathered if _members(group).index(_this_rank()) == rank else None
 
 
 def _this_rank() -> int:
@@ -181,16 +273,19 @@ def _this_rank() -> int:
 
 
 def _peer(other: int, rank_type: RankType, verb: str) -> int:
+    """The global rank of group rank ``other`` in the group of ``rank_type``."""
     if size() == 1:
         raise SMPUnsupportedError(f"smp.{verb} rank {other}: a single process has no other rank to "
                                   f"{'send to' if verb == 'send to' else 'receive from'}")
-    if rank_type.get_comm_group() not in _DATA_PARALLEL:
+    members = _members(rank_type.get_comm_group())
+    if len(members) == 1:
         raise SMPUnsupportedError(
-            f"smp.{verb} rank {other} of {rank_type.name}: acshim keeps the whole model on each rank, so that "
-            "group holds this rank only; exchange objects over RankType.DP_RANK or WORLD_RANK")
-    if not 0 <= other < size() or other == _this_rank():
-        raise SMPUnsupportedError(f"smp.{verb}: rank {other} is not another rank of {size()}")
-    return other
+            f"smp.{verb} rank {other} of {rank_type.name}: that group holds this rank only (tensor parallelism "
+            "is not provided); exchange objects over RankType.PP_RANK, DP_RANK or WORLD_RANK")
+    if not 0 <= other < len(members) or members[other] == _this_rank():
+        raise SMPUnsupportedError(f"smp.{verb}: rank {other} is not another rank of the {len(members)} ranks "
+                                  f"of {rank_type.name}")
+    return members[other]
 
 
 def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
@@ -199,7 +294,7 @@ def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
 
 
 def recv_from(src_rank: int, rank_type: RankType) -> Any:
-    """Receive the object ``src_rank`` sent with ``send`` or ``broadcast``."""
+    """Receive the object ``src_rank`` (a rank of the group of ``rank_type``) sent with ``send`` or ``broadcast``."""
     received: list[Any] = [None]
     torch.distributed.recv_object_list(received, src=_peer(src_rank, rank_type, "recv_from"))
     return received[0]

@@ -1,9 +1,10 @@
-"""Partitioning, tensor-parallelism and parameter-initialisation controls of SMP v1, for one partition.
+"""Partitioning, tensor-parallelism and parameter-initialisation controls of SMP v1.
 
-With one pipeline partition every module is on partition 0 and, with ``tensor_parallel_degree``
-1, no module is distributed, so these calls only record the request (``smp.partition`` /
-``set_partition`` still validate the index) and change nothing, which is what upstream does in that
-configuration.
+``smp.partition(i)`` / ``smp.set_partition(module, i)`` record manual pipeline placement, used when
+``auto_partition`` is False (see ``_partitioning``): inside ``with smp.partition(i)``, every module
+that registers a parameter or is assigned as a child is placed on ``i`` (the innermost context
+wins). With automatic partitioning, or one partition, the placement is validated and unused, as
+upstream. Tensor parallelism is refused at ``smp.init``, so its markers change nothing.
 """
 
 from __future__ import annotations
@@ -25,18 +26,41 @@ def _check_partition(index: int) -> None:
         raise SMPInvalidArgumentError(f"partition index must be an int in [0, {partitions}), got {index!r}")
 
 
+_open_partitions: list[int] = []  # the smp.partition contexts now open, innermost last
+
+
+def _place_registered_module(module: nn.Module, name: str, child: nn.Module | None) -> None:
+    if child is not None and _open_partitions:
+        state.placements.setdefault(child, _open_partitions[-1])
+
+
+def _place_parameter_owner(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
+    if _open_partitions:
+        state.placements.setdefault(module, _open_partitions[-1])
+
+
 @contextlib.contextmanager
 def partition(index: int) -> Iterator[None]:
-    """Place modules created inside on partition ``index`` (all partitions are this process)."""
+    """Place modules created inside on partition ``index`` (used when ``auto_partition`` is False)."""
     _check_partition(index)
-    yield
+    registration = nn.modules.module
+    handles = [registration.register_module_module_registration_hook(_place_registered_module),
+               registration.register_module_parameter_registration_hook(_place_parameter_owner)]
+    _open_partitions.append(index)
+    try:
+        yield
+    finally:
+        _open_partitions.pop()
+        for handle in handles:
+            handle.remove()
 
 
 def set_partition(module: nn.Module, index: int) -> None:
-    """Place ``module`` on partition ``index`` (all partitions are this process)."""
+    """Place ``module`` (and its descendants not placed otherwise) on partition ``index``."""
     if not isinstance(module, nn.Module):
         raise SMPInvalidArgumentError(f"set_partition takes an nn.Module, got {type(module).__name__}")
     _check_partition(index)
+    state.placements[module] = index
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ running. Tests reset it with ``state.reset()``; nothing else is module-level mut
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,10 @@ class SMPState:
     in_step_func: bool = False
     microbatch: int = 0
     post_partition_hooks: OrderedDict[int, Any] = field(default_factory=OrderedDict)  # weakref-able
+    # manual pipeline placement: module -> partition (smp.partition / smp.set_partition)
+    placements: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
+    # set_activation_checkpointing calls waiting for the pipeline partition (module, options...)
+    checkpoint_marks: list[tuple[Any, ...]] = field(default_factory=list)
     _offload_scope: Any = None
     _offload_scope_config: SMPConfig | None = None
 
@@ -58,11 +63,13 @@ class SMPState:
         self.in_step_func = False
         self.microbatch = 0
         self.post_partition_hooks.clear()
+        self.checkpoint_marks.clear()
 
     def reset(self) -> None:
         """Back to the state before ``smp.init``."""
         self.reset_model_state()
         self.cfg = None
+        self.placements.clear()
         self._offload_scope = self._offload_scope_config = None
 
 

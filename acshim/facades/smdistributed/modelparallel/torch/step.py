@@ -9,6 +9,12 @@ microbatches are divided by the number of microbatches at the end of the step wh
 mean loss the result equals the full-batch gradient up to float rounding. Returned tensors come back
 as ``StepOutput`` objects (detached unless ``detach_outputs=False``), containers keep their shape.
 The optimizer step stays outside, as upstream requires.
+
+With pipeline partitions across ranks (``pipeline_parallel_degree`` > 1 under a launcher) the
+function runs on pp_rank 0 of each model replica, the other stages serving the calls that reach
+their modules (``_pipeline_runner``); every rank returns the same ``StepOutput`` values. Each rank
+then averages its own parameters' gradients over the microbatches and, with several replicas,
+across them (sum over the data-parallel group, then divide by its size).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from acshim import structures
 
+from . import comm
 from .exceptions import DistributedModelNotWrappedError, InvalidStepOutputError, TensorSplitError
 from .state_mod import state
 
@@ -152,12 +159,31 @@ class StepFunction:
             raise DistributedModelNotWrappedError("calling an smp.step-decorated function")
         num_mb = cfg.microbatches
         microbatch_inputs = [self._split(args, kwargs, num_mb, mb) for mb in range(num_mb)]
-        model._partition()
+        if not model.pipelined:
+            model._partition()
         parameters = [p for p in model.parameters() if p.requires_grad]
         earlier_grads = {p: p.grad for p in parameters if p.grad is not None}
         for p in earlier_grads:
             p.grad = None
-        outputs = []
+        if model.pipelined and comm.pp_rank() != 0:
+            outputs = model._serve_pipeline_step()
+        else:
+            outputs = self._run_microbatches(model, microbatch_inputs)
+        with torch.no_grad():
+            for p in parameters:
+                if p.grad is not None and model.average_grads_across_microbatches and num_mb > 1:
+                    p.grad.div_(float(num_mb))
+            if model.pipelined:
+                model._reduce_pipeline_gradients(parameters)
+            for p in earlier_grads:
+                p.grad = earlier_grads[p] if p.grad is None else earlier_grads[p] + p.grad
+        model._after_step()
+        return _as_step_output(outputs, self.detach_outputs) if outputs else None
+
+    def _run_microbatches(self, model: Any, microbatch_inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Run the step function once per microbatch (on the pipeline's driver when partitioned)."""
+        outputs: list[Any] = []
+        num_mb = len(microbatch_inputs)
         state.in_step_func = True
         try:
             for mb, (mb_args, mb_kwargs) in enumerate(microbatch_inputs):
@@ -165,17 +191,16 @@ class StepFunction:
                 last = mb == num_mb - 1
                 with contextlib.nullcontext() if last else model._without_gradient_sync():
                     outputs.append(self.func(*mb_args, **mb_kwargs))
+        except BaseException as error:
+            if model.pipelined:
+                model._end_pipeline_step(error=f"{type(error).__name__}: {error}")
+            raise
         finally:
             state.in_step_func = False
             state.microbatch = 0
-        with torch.no_grad():
-            for p in parameters:
-                if p.grad is not None and model.average_grads_across_microbatches and num_mb > 1:
-                    p.grad.div_(float(num_mb))
-                if p in earlier_grads:
-                    p.grad = earlier_grads[p] if p.grad is None else earlier_grads[p] + p.grad
-        model._after_step()
-        return _as_step_output(outputs, self.detach_outputs) if outputs else None
+        if model.pipelined:
+            model._end_pipeline_step(outputs)
+        return outputs
 
 
 def step(func: Callable[..., Any] | None = None, non_split_inputs: Sequence[str] | None = None,

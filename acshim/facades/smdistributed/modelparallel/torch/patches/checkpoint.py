@@ -7,9 +7,18 @@ reentrant (recomputed inside an autograd Function), so ``torch.autograd.grad`` i
 upstream; unlike torch's reentrant checkpoint they accept keyword arguments and nested inputs
 (SMP v1.8.1+) and give parameters gradients even when no input requires grad.
 
-With one partition (a single process) nothing can straddle a partition boundary, so the upstream
-partition checks never fire and ``set_activation_checkpointing`` applies at once, in place, instead
-of at the first ``smp.step`` (same object, same ``state_dict`` keys; idempotent).
+With one partition nothing can straddle a partition boundary, so the upstream partition checks
+never fire and ``set_activation_checkpointing`` applies at once, in place, instead of at the first
+``smp.step`` (same object, same ``state_dict`` keys; idempotent).
+
+With pipeline partitions across ranks (``pipeline_parallel_degree`` > 1 under a launcher) the
+seed's rules hold: ``set_activation_checkpointing`` is recorded and applied when the model is
+partitioned (first ``smp.step``); a checkpointed module must lie within one partition, and its
+region runs on that partition's rank; an ``nn.Sequential`` may span partitions, each child (or
+group of children) lying in one, and a group never crosses a boundary (``"contiguous"``: one group
+per partition's run of children; ``group_N`` comes out shorter at a boundary). A module tree that
+spans partitions is an error with manual partitioning and is run without checkpointing, with a
+warning that it won't be checkpointed, with automatic partitioning.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from acshim.policy import strategy_groups
 from acshim.region import run_region
 from acshim.wrap import CheckpointedSequentialForward, checkpoint_module, checkpoint_sequential_groups
 
+from .. import comm
 from ..exceptions import CheckpointingConfigError, DistributedModelNotWrappedError, NotAModuleError
 from ..state_mod import state
 
@@ -50,7 +60,16 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, *
             f"{module!r} is not a Module: smp's checkpoint(module, *args) checkpoints an nn.Module instance "
             "and cannot take a plain function. Wrap the function in an nn.Module, or use "
             "torch.utils.checkpoint.checkpoint for arbitrary callables.")
+    runner = _runner()
+    if runner is not None:
+        region_options(preserve_rng_state)  # validates the flag before any message is sent
+        return runner.checkpoint(module, args, kwargs, preserve_rng_state)
     return run_region(module, args, kwargs, region_options(preserve_rng_state))
+
+
+def _runner() -> Any:
+    """The pipeline stage runner of the partitioned model, or None."""
+    return getattr(state.model, "runner", None) if state.model is not None else None
 
 
 def _require_sequential(sequential_module: Any) -> None:
@@ -77,6 +96,10 @@ def checkpoint_sequential(
     """
     _require_sequential(sequential_module)
     groups = strategy_groups(strategy, len(sequential_module))
+    runner = _runner()
+    if runner is not None:
+        region_options(preserve_rng_state)
+        return runner.sequential(sequential_module, input, strategy, preserve_rng_state, bool(pack_args_as_tuple))
     run = CheckpointedSequentialForward(sequential_module, region_options(preserve_rng_state), groups,
                                         bool(pack_args_as_tuple))
     return run(input)
@@ -100,15 +123,45 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     options = region_options(preserve_rng_state)
     if isinstance(module, nn.Sequential):
         groups = strategy_groups(strategy, len(module))
+    else:
+        if strategy != "each":
+            raise CheckpointingConfigError("strategy can only be used when checkpointing Sequential modules")
+        if pack_args_as_tuple:
+            raise CheckpointingConfigError(
+                "pack_args_as_tuple can only be used when checkpointing Sequential modules: a "
+                f"{type(module).__name__} receives its arguments unchanged; drop the argument")
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            warnings.warn(f"{type(module).__name__} is never called itself, so checkpointing it has no effect; "
+                          "call smp.set_activation_checkpointing on each of its children", stacklevel=2)
+    mark = (module, preserve_rng_state, bool(pack_args_as_tuple), strategy)
+    runner = _runner()
+    if runner is not None:  # partitioned already: apply under the partition rules now
+        apply_partitioned_checkpointing(runner, *mark)
+        return
+    if comm.pp_size() > 1:  # SMP applies it when the model is partitioned, at the first smp.step
+        state.checkpoint_marks.append(mark)
+        return
+    if isinstance(module, nn.Sequential):
         checkpoint_sequential_groups(module, options, groups, bool(pack_args_as_tuple))
         return
-    if strategy != "each":
-        raise CheckpointingConfigError("strategy can only be used when checkpointing Sequential modules")
-    if pack_args_as_tuple:
-        raise CheckpointingConfigError(
-            "pack_args_as_tuple can only be used when checkpointing Sequential modules: a "
-            f"{type(module).__name__} receives its arguments unchanged; drop the argument")
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        warnings.warn(f"{type(module).__name__} is never called itself, so checkpointing it has no effect; "
-                      "call smp.set_activation_checkpointing on each of its children", stacklevel=2)
+    checkpoint_module(module, options)
+
+
+def apply_partitioned_checkpointing(runner: Any, module: nn.Module, preserve_rng_state: bool,
+                                    pack_args_as_tuple: bool, strategy: str) -> None:
+    """Checkpoint ``module`` of a partitioned model under SMP v1's partition rules (module docstring)."""
+    options = region_options(preserve_rng_state)
+    in_one_partition = len(runner.stages_of(module)) == 1
+    if isinstance(module, nn.Sequential):
+        groups = strategy_groups(strategy, len(module))
+        if in_one_partition:
+            checkpoint_sequential_groups(module, options, groups, pack_args_as_tuple)
+            return
+        forward = runner.sequential_forward(module, strategy, preserve_rng_state, pack_args_as_tuple)
+        if forward is not None:
+            module.forward = forward
+        return
+    if not in_one_partition:
+        runner.split_module(module, "set_activation_checkpointing")
+        return
     checkpoint_module(module, options)

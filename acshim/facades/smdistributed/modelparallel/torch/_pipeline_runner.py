@@ -1,0 +1,422 @@
+"""The pipeline stage runner of the SMP v1 facade: modules on other partitions run on their rank.
+
+Why not ``torch.distributed.pipelining``: its ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``
+own the loop (``schedule.step(x, target=...)`` runs forward, loss and backward for every
+microbatch), and need the model cut into stage modules with one tensor flowing between them. An
+SMP v1 script owns the loop instead: its ``@smp.step`` function calls ``model(...)`` on a
+microbatch, computes the loss with any Python it likes and calls ``model.backward(loss)``; modules
+anywhere in the tree may sit on another partition and take or return nested values. So this
+runner mirrors SMP's own execution model: global rank 0 of each pipeline group (pp_rank 0, "the
+driver") runs the step function; when code on one stage calls a module placed on another, the
+call's tensors travel to that stage (``_pipeline_transport``), the module runs there with autograd
+on, and its output comes back through an autograd Function (``RemoteCall``) whose backward sends
+the output gradients to the owner, which runs ``torch.autograd.backward`` on its saved graph and
+returns the input gradients. Calls nest (a module on stage 1 may call a child on stage 0): while
+a stage waits for an answer it serves the requests that reach it.
+
+Exactness: each operation runs once, on the rank that owns its parameters, with the values it
+would see in one process; the CPU RNG state travels with every call and every answer, so dropout
+draws the single process's stream; each parameter's gradient is accumulated over the
+microbatches in microbatch order on its owner. Gradients are therefore bitwise those of the same
+model on one process with the same microbatch split. Tested on CPU with gloo; the CUDA RNG state
+does not travel yet, and NCCL has not been run.
+
+Schedule: one stage computes at a time, microbatch after microbatch (forward then the backward
+the step function asks for). SMP's ``pipeline: "interleaved"`` and ``"simple"`` differ only in
+the order stages overlap work, not in any value, so both run this order and give the same
+gradients. What this gives is SMP's memory split (each stage saves only its own activations and
+computes only its own parameters' gradients), not its overlap of stages in time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from acshim.policy import strategy_groups
+from acshim.region import run_region
+
+from . import _pipeline_transport as transport
+from ._partitioning import module_list, parents_of
+from .exceptions import CheckpointingConfigError, SMPUnsupportedError
+
+# -- messages ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Assignment:
+    partitions: list[int]
+
+
+@dataclass
+class Forward:
+    request: int
+    key: tuple[Any, ...]
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    requires_grad: list[bool]
+    grad_enabled: bool
+    rng: torch.Tensor
+
+
+@dataclass
+class ForwardDone:
+    request: int
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    requires_grad: list[bool]
+    rng: torch.Tensor
+
+
+@dataclass
+class Backward:
+    request: int
+    grads: list[torch.Tensor | None]
+
+
+@dataclass
+class BackwardDone:
+    request: int
+    grads: list[torch.Tensor | None]
+
+
+@dataclass
+class Failed:
+    """A request raised on the stage that ran it; the caller raises it again."""
+
+    request: int
+    error: str
+
+
+@dataclass
+class End:
+    """The driver finished the step: its outputs (packed) and RNG state, or the error it hit."""
+
+    outputs: Any = None
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    rng: torch.Tensor | None = None
+    error: str | None = None
+
+
+class PipelineAborted(RuntimeError):
+    """The driver's step function failed; the other stages stop with it."""
+
+
+# -- the autograd seam ------------------------------------------------------------------------------
+
+
+class RemoteCall(torch.autograd.Function):
+    """Forward: run a call on another stage. Backward: send it the output grads, get input grads."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: StageRunner, stage: int, key: tuple[Any, ...], box: list[Any],
+                _anchor: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        request, outputs, requires_grad = runner.forward_on(stage, key, box[0], list(tensors), grad_enabled=True)
+        box[0] = outputs[0]
+        ctx.runner, ctx.stage, ctx.request = runner, stage, request
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(t for t, needed in zip(outputs[1], requires_grad) if not needed))
+        return tuple(outputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        input_grads = ctx.runner.backward_on(ctx.stage, ctx.request, list(grads))
+        return (None, None, None, None, None, *input_grads)
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+class StageDispatch:
+    """The instance ``forward`` of a module whose partition differs from its parent's: runs the
+    forward it replaced on the owning stage, here or through the runner."""
+
+    def __init__(self, runner: StageRunner, module: nn.Module) -> None:
+        self.runner = runner
+        self.index = runner.index[module]
+        self.stage = runner.partition[module]
+        self.inner = module.__dict__.get("forward", type(module).forward.__get__(module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stage == self.runner.stage:
+            return self.inner(*args, **kwargs)
+        return self.runner.call(self.stage, ("call", self.index), args, kwargs)
+
+
+class PipelinedSequential:
+    """The instance ``forward`` of a checkpointed ``nn.Sequential`` whose children span partitions:
+    ``groups`` of consecutive children, each on one stage, run there (as one region when
+    checkpointed), each group's output feeding the next."""
+
+    def __init__(self, runner: StageRunner, module: nn.Sequential, groups: Sequence[tuple[int, tuple[int, ...]]],
+                 preserve_rng_state: bool, pack_args_as_tuple: bool) -> None:
+        self.runner, self.index, self.groups = runner, runner.index[module], list(groups)
+        self.preserve_rng_state, self.pack_args_as_tuple = preserve_rng_state, pack_args_as_tuple
+
+    def __call__(self, input: Any) -> Any:
+        for stage, members in self.groups:
+            key = ("group", self.index, members, True, self.preserve_rng_state, self.pack_args_as_tuple)
+            input = self.runner.run_on(stage, key, (input,), {})
+        return input
+
+
+def partition_groups(stages: Sequence[int], strategy: str) -> list[tuple[int, tuple[int, ...]]]:
+    """SMP's ``checkpoint_sequential`` strategies over children on several partitions (``stages``:
+    each child's partition): a group never crosses a partition boundary. ``"each"``: one child per
+    group; ``"contiguous"``: each run of children on one partition; ``"group_N"``: N children per
+    group, counted afresh in each run, so a group at a boundary comes out shorter."""
+    runs: list[list[int]] = []
+    for child, stage in enumerate(stages):
+        if runs and stages[runs[-1][-1]] == stage:
+            runs[-1].append(child)
+        else:
+            runs.append([child])
+    groups: list[tuple[int, tuple[int, ...]]] = []
+    for run in runs:
+        for chunk in strategy_groups(strategy, len(run)):
+            groups.append((stages[run[0]], tuple(run[i] for i in chunk)))
+    return groups
+
+
+class StageRunner:
+    """One rank's stage of a partitioned model: dispatches calls, serves requests, ends steps."""
+
+    def __init__(self, root: nn.Module, partitions: Sequence[int], stage: int, ranks: Sequence[int],
+                 manual: bool) -> None:
+        self.root = root
+        self.modules = module_list(root)
+        if len(partitions) != len(self.modules):
+            raise RuntimeError(f"partition assignment for {len(partitions)} modules, the model has {len(self.modules)}: "
+                               "every rank must build the same model before smp.DistributedModel")
+        self.index = {m: i for i, m in enumerate(self.modules)}
+        self.partition = dict(zip(self.modules, partitions))
+        self.parents = parents_of(root)
+        self.stage, self.ranks, self.manual = stage, list(ranks), manual
+        self.records: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._next_request = 0
+        self._warned: set[int] = set()
+        self.parameter_stage = self._parameter_stages()
+
+    # -- placement queries ----------------------------------------------------------------------
+
+    def _parameter_stages(self) -> dict[nn.Parameter, int]:
+        stages: dict[nn.Parameter, int] = {}
+        names = {m: n for n, m in self.root.named_modules()}
+        for module in self.modules:
+            for name, parameter in module.named_parameters(recurse=False):
+                stage = self.partition[module]
+                if stages.setdefault(parameter, stage) != stage:
+                    raise SMPUnsupportedError(
+                        f"parameter {names[module]}.{name} is shared by modules on partitions {stages[parameter]} and "
+                        f"{stage}: acshim does not tie weights across pipeline partitions; place the modules that "
+                        "share it on one partition (smp.partition / smp.set_partition)")
+        return stages
+
+    def release_other_partitions(self) -> None:
+        """Free the storage of every parameter another stage owns (it becomes an empty tensor of the
+        same dtype and device): this rank never computes with it, and its owner saves it."""
+        for parameter, stage in self.parameter_stage.items():
+            if stage != self.stage:
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+                parameter.grad = None
+
+    def stages_of(self, module: nn.Module) -> set[int]:
+        """The partitions ``module`` and its descendants lie on."""
+        return {self.partition[m] for m in module.modules()}
+
+    def is_local_parameter(self, parameter: nn.Parameter) -> bool:
+        return self.parameter_stage.get(parameter, 0) == self.stage
+
+    # -- checkpointing under partitions (SMP v1's rules) ---------------------------------------------
+
+    def split_module(self, module: nn.Module, what: str) -> None:
+        """``module`` must be checkpointed but spans partitions: an error when partitions are manual,
+        a warning (once per module) when they are automatic; the caller then runs it plainly."""
+        stages = sorted(self.stages_of(module))
+        name = next((n or "main" for n, m in self.root.named_modules() if m is module), type(module).__name__)
+        if self.manual:
+            raise CheckpointingConfigError(
+                f"{what} of module {name!r}: its module tree spans partitions {stages}, and a checkpointed module "
+                "must lie within one partition; place it on one partition (smp.partition / smp.set_partition)")
+        if self.index[module] not in self._warned:
+            self._warned.add(self.index[module])
+            warnings.warn(f"automatic partitioning split module {name!r} across partitions {stages}: it won't be "
+                          "checkpointed (a checkpointed module must lie within one partition)", stacklevel=3)
+
+    def checkpoint(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   preserve_rng_state: bool) -> Any:
+        """``smp.checkpoint(module, ...)`` inside a partitioned model."""
+        stages = self.stages_of(module)
+        if len(stages) > 1:
+            self.split_module(module, "smp checkpoint")
+            return module(*args, **kwargs)
+        return self.run_on(stages.pop(), ("checkpoint", self.index[module], preserve_rng_state), args, kwargs)
+
+    def sequential(self, module: nn.Sequential, input: Any, strategy: str, preserve_rng_state: bool,
+                   pack_args_as_tuple: bool) -> Any:
+        """``checkpoint_sequential`` inside a partitioned model: each group runs as one region on its stage."""
+        forward = self.sequential_forward(module, strategy, preserve_rng_state, pack_args_as_tuple)
+        return module(input) if forward is None else forward(input)
+
+    def sequential_forward(self, module: nn.Sequential, strategy: str, preserve_rng_state: bool,
+                           pack_args_as_tuple: bool) -> Callable[[Any], Any] | None:
+        """The forward running ``module``'s children in checkpointed groups on their stages; None (after
+        the error or warning of ``split_module``) when a child itself spans partitions."""
+        children = list(module)
+        for child in children:
+            if len(self.stages_of(child)) > 1:
+                self.split_module(child, "checkpointing a child of nn.Sequential")
+                return None
+        stages = [self.partition[c] for c in children]
+        return PipelinedSequential(self, module, partition_groups(stages, strategy), preserve_rng_state,
+                                   pack_args_as_tuple)
+
+    # -- running calls ----------------------------------------------------------------------------
+
+    def run_on(self, stage: int, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if stage == self.stage:
+            return self.run_target(key, args, kwargs)
+        return self.call(stage, key, args, kwargs)
+
+    def run_target(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the call ``key`` names on this stage."""
+        from .patches.checkpoint import region_options
+
+        kind, index = key[0], key[1]
+        module = self.modules[index]
+        if kind == "call":
+            return module.forward.inner(*args, **kwargs)
+        if kind == "checkpoint":
+            return run_region(module, args, kwargs, region_options(key[2]))
+        members = [list(module)[i] for i in key[2]]
+        checkpointed, preserve_rng_state, pack = key[3], key[4], key[5]
+
+        def run_group(*packed: Any) -> Any:
+            value = packed if pack else packed[0]
+            for child in members:
+                value = child(value)
+            return value
+
+        (input,) = args
+        inputs = tuple(input) if pack and isinstance(input, (tuple, list)) else (input,)
+        if checkpointed:
+            return run_region(run_group, inputs, {}, region_options(preserve_rng_state))
+        return run_group(*inputs)
+
+    def call(self, stage: int, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``key`` on ``stage`` with these arguments; differentiable when grad is enabled."""
+        skeleton, tensors = transport.pack((args, kwargs))
+        if not torch.is_grad_enabled():
+            _, (out_skeleton, out_tensors), _ = self.forward_on(stage, key, skeleton, tensors, grad_enabled=False)
+            return transport.unpack(out_skeleton, out_tensors)
+        box = [skeleton]
+        anchor = torch.empty(0, requires_grad=True)  # makes the outputs differentiable for remote parameters
+        outputs = RemoteCall.apply(self, stage, key, box, anchor, *tensors)
+        return transport.unpack(box[0], list(outputs))
+
+    def forward_on(self, stage: int, key: tuple[Any, ...], skeleton: Any, tensors: list[torch.Tensor],
+                   grad_enabled: bool) -> tuple[int, tuple[Any, list[torch.Tensor]], list[bool]]:
+        request = self._next_request
+        self._next_request += 1
+        message = Forward(request, key, skeleton, [transport.wire_copy(t) for t in tensors],
+                          [t.requires_grad for t in tensors], grad_enabled, torch.get_rng_state())
+        transport.send(message, self.ranks[stage])
+        answer = self.wait_for(ForwardDone, request)
+        torch.set_rng_state(answer.rng)
+        return request, (answer.skeleton, answer.tensors), answer.requires_grad
+
+    def backward_on(self, stage: int, request: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        transport.send(Backward(request, [transport.wire_copy(g) for g in grads]), self.ranks[stage])
+        return self.wait_for(BackwardDone, request).grads
+
+    def wait_for(self, kind: type, request: int) -> Any:
+        """Serve requests until the answer to ``request`` arrives."""
+        while True:
+            sender, message = transport.receive()
+            if isinstance(message, kind) and message.request == request:
+                return message
+            if isinstance(message, Failed) and message.request == request:
+                raise RuntimeError(f"pipeline stage of rank {sender} failed: {message.error}")
+            if isinstance(message, End) and message.error is not None:
+                raise PipelineAborted(message.error)
+            self.serve(sender, message)
+
+    # -- serving ----------------------------------------------------------------------------------
+
+    def serve(self, sender: int, message: Any) -> None:
+        """Run a request from ``sender``; an error goes back to it (the caller raises it)."""
+        if not isinstance(message, (Forward, Backward)):
+            raise RuntimeError(f"pipeline stage {self.stage} got an unexpected {type(message).__name__} from rank {sender}")
+        try:
+            if isinstance(message, Forward):
+                self._serve_forward(sender, message)
+            else:
+                self._serve_backward(sender, message)
+        except PipelineAborted:
+            raise
+        except Exception as error:  # every failure goes back to the waiting caller
+            transport.send(Failed(message.request, f"{type(error).__name__}: {error}"), sender)
+
+    def _serve_forward(self, sender: int, message: Forward) -> None:
+        inputs = [t.requires_grad_(needed) if needed and (t.is_floating_point() or t.is_complex()) else t
+                  for t, needed in zip(message.tensors, message.requires_grad)]
+        torch.set_rng_state(message.rng)
+        with torch.set_grad_enabled(message.grad_enabled):
+            # the module gets a non-leaf copy of each input that requires grad, as it would in one
+            # process: an in-place op on its input (ReLU(inplace=True)) is then allowed; a clone's
+            # backward passes the gradient through unchanged
+            used = [t.clone() if t.requires_grad and message.grad_enabled else t for t in inputs]
+            args, kwargs = transport.unpack(message.skeleton, used)
+            skeleton, outputs = transport.pack(self.run_target(message.key, args, kwargs))
+        requires_grad = [t.requires_grad for t in outputs]
+        if message.grad_enabled and any(requires_grad):
+            self.records[(sender, message.request)] = (inputs, outputs)
+        transport.send(ForwardDone(message.request, skeleton, [transport.wire_copy(t) for t in outputs],
+                                   requires_grad, torch.get_rng_state()), sender)
+
+    def _serve_backward(self, sender: int, message: Backward) -> None:
+        inputs, outputs = self.records.pop((sender, message.request))
+        pairs = [(o, g) for o, g in zip(outputs, message.grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = [t.grad if t.requires_grad else None for t in inputs]
+        transport.send(BackwardDone(message.request, grads), sender)
+
+    def serve_step(self) -> End:
+        """A stage other than the driver: serve until the driver ends the step."""
+        while True:
+            sender, message = transport.receive()
+            if isinstance(message, End):
+                self.records.clear()
+                if message.error is not None:
+                    raise PipelineAborted(message.error)
+                return message
+            self.serve(sender, message)
+
+    def end_step(self, outputs: Any = None, error: str | None = None) -> None:
+        """The driver: tell every other stage the step is over (with its outputs, or its error)."""
+        self.records.clear()
+        skeleton, tensors = transport.pack(outputs)
+        message = End(skeleton, [transport.wire_copy(t) for t in tensors], torch.get_rng_state(), error)
+        for stage, rank in enumerate(self.ranks):
+            if stage != self.stage:
+                transport.send(message, rank)
+
+
+def install(runner: StageRunner) -> None:
+    """Put a ``StageDispatch`` on every module whose partition differs from its parent's (the root's
+    parent being the driver, stage 0); call after checkpointing is applied, so it is outermost."""
+    for module in runner.modules:
+        parent = runner.parents.get(module)
+        parent_stage = runner.partition[parent] if parent is not None else 0
+        if runner.partition[module] != parent_stage:
+            module.forward = StageDispatch(runner, module)
+
+
+__all__ = ["Assignment", "End", "PipelineAborted", "RemoteCall", "StageDispatch", "StageRunner", "install",
+           "partition_groups"]
