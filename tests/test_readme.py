@@ -9,6 +9,7 @@ A snippet that cannot run here (more than one process, a GPU) is skipped by a
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -53,8 +54,9 @@ SHELL_LINES = [line.split("#", 1)[0].strip() for s in README_SNIPPETS if s.langu
                for line in s.code.splitlines()]
 
 
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+def _run(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_SECONDS,
+                          env={**os.environ, **env})
 
 
 def _acshim_argv(command: str) -> list[str]:
@@ -95,10 +97,12 @@ def test_readme_shows_acshim_run_report_and_budget_on_train_py() -> None:
 @pytest.mark.parametrize("command", ACSHIM_ON_TRAIN)
 def test_every_acshim_line_in_the_readme_runs_on_its_train_script(command: str, tmp_path: Path) -> None:
     _train_script(tmp_path)
-    result = _run(_acshim_argv(command), tmp_path)
+    result = _run(_acshim_argv(command), tmp_path, ACSHIM_REPORT_REGIONS="1")
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command}:\n{output}"
     words = shlex.split(command)
+    if words[1] == "run" and "--budget" not in words:  # the script's 8 wrappers, 4 steps: all on the engine
+        assert "acshim: 32 region forwards, 32 recomputes" in output, output
     if "--report" in words:  # the report lists the script's regions under the API that made them
         assert re.search(r"torch checkpoint_wrapper +8 region\(s\), 32 forwards, 32 recomputes", output), output
     if words[1] == "run" and "--budget" in words:  # the script's own recipe replaced by a plan
