@@ -65,7 +65,7 @@ import memory_probe
 
 NO_OFFLOAD = ("keep", "selective", "selective-alt", "recompute")
 """Default planner choices here: torch's budget cannot offload, and a region with a storage tier runs
-eagerly around a graph break (README); pass ``--choices`` to allow offload."""
+eagerly around a graph break (docs/engine.md); pass ``--choices`` to allow offload."""
 MiB = 2**20
 
 

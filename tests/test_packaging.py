@@ -87,7 +87,8 @@ def test_readme_and_docs_link_only_to_files_in_the_repository() -> None:
 
 def test_readme_set_up_creates_a_virtual_environment_and_says_how_long_the_tests_take() -> None:
     text = (ROOT / "README.md").read_text()
-    set_up = text[text.index("## Set-up on a fresh machine"):text.index("## The engine in five calls")]
+    set_up = text[text.index("## Set-up on a fresh machine"):text.index("## Three ways to use it")]
     assert "python3 -m venv .venv && . .venv/bin/activate" in set_up
-    assert set_up.index("python3 -m venv") < set_up.index("pip install torch")
-    assert re.search(r"about \d+ minutes with `pytest -n 2`", set_up)
+    assert set_up.index("python3 -m venv") < set_up.index("pip install torch==2.13.0 && pip install .")
+    testing = text[text.index("## Development and testing"):]
+    assert re.search(r"about \d+ minutes with `pytest -n 2`", testing)

@@ -44,7 +44,7 @@ def test_fsdp1_flat_parameters_gradients_bitwise_equal_for_every_dialect(launch,
 def test_fsdp1_original_parameters_gradients_bitwise_equal_for_non_reentrant_dialects(launch, torchrun) -> None:
     """use_orig_params=True with reentrant regions is left out: torch's own reentrant checkpoint
     returns no gradients there, and FSDP1's backward prefetch then issues collectives in another
-    order on each rank (README, "Multi-process")."""
+    order on each rank (docs/distributed.md)."""
     result = launch(torchrun("--no-python", ACSHIM, "run", SCRIPT, "--engine", "fsdp1", "--settings", "orig_params",
                              "--dialects", "torch_non_reentrant,fairscale"))
     _assert_all_equal(result, expected_cases=2)

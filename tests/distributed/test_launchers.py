@@ -80,7 +80,7 @@ def test_acshim_run_wraps_python_dash_m_torch_distributed_run_and_a_failing_rank
 def test_acshim_run_wraps_accelerate_launch_and_accelerators_ddp(launch) -> None:
     """Accelerate's multi-process launch on CPU goes through torch.distributed.run (``--multi_gpu``
     names the launch mode, not a device) and ``Accelerator(cpu=True)`` then forms a gloo group and
-    wraps the model in DDP; its ``--cpu`` multi-process launch mode needs MPI (README)."""
+    wraps the model in DDP; its ``--cpu`` multi-process launch mode needs MPI (docs/distributed.md)."""
     pytest.importorskip("accelerate")
     result = launch([ACSHIM, "run", "--", "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
                      "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no",

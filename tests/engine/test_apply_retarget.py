@@ -1,4 +1,4 @@
-"""Applying again re-targets, never nests (issue 8, item 11): the README's own sequence
+"""Applying again re-targets, never nests (issue 8, item 11): docs/engine.md's own sequence
 ``apply_checkpointing(model)`` then ``apply_checkpointing(model, EveryNth(2), reentrant=True)``
 must leave the regions a fresh model gets from the second call alone, with its options."""
 

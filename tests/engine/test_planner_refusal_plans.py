@@ -1,5 +1,5 @@
 """A refusal of ``acshim.plan`` names a budget that plans (issue 26 items 1 and 2), tested by planning
-at it, and for the process's memory points to ``memory="tensors"``: README's planner call on
+at it, and for the process's memory points to ``memory="tensors"``: docs/planner.md's planner call on
 ``acshim.testing.GPT()`` at 0.5. Fresh process: the allocator setting and the resident set are
 process-wide."""
 

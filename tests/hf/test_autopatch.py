@@ -24,7 +24,7 @@ def test_autopatched_model_gives_bitwise_equal_gradients(arch, reentrant, autopa
     assert len(hf.acshim_regions(model)) == len(hf.hf_blocks(model)) >= 3
     if arch == "t5" and reentrant:
         # Any reentrant checkpoint sums the decoder blocks' gradients for encoder_hidden_states per
-        # block, not per use (an input used inside several regions and outside: README, "One
+        # block, not per use (an input used inside several regions and outside: docs/engine.md, "One
         # difference remains"): upstream's own use_reentrant=True run differs from the plain run
         # the same way.
         upstream = hf_model(arch)

@@ -10,7 +10,7 @@ in both modes. Two causes, neither a wrong recompute:
   ``use_cache=False`` a non-reentrant region is bitwise.
 - reentrant regions: the encoder's output is used twice (k and v) by every decoder block's
   cross-attention; a reentrant region adds its block's two uses before the outer backward adds
-  the blocks (README's ``g3 + (g2 + g1)``). The decoder's gradients stay bitwise.
+  the blocks (docs/engine.md's ``g3 + (g2 + g1)``). The decoder's gradients stay bitwise.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def _step(family: str, reentrant: bool | None) -> dict[str, torch.Tensor]:
 
 ENCODER_DECODER = {"switch_transformers", "nllb_moe"}
 """Each decoder block's cross-attention uses the encoder's output twice (k and v): a reentrant region
-adds those two uses first, so the encoder's gradients match only to rounding (README, g3 + (g2 + g1))."""
+adds those two uses first, so the encoder's gradients match only to rounding (docs/engine.md, g3 + (g2 + g1))."""
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])

@@ -4,7 +4,7 @@ Exactness (offload scope and region boundaries, host and disk tiers, every horiz
 in-place changes after save and a planned model, on ``.cuda()`` models, with deterministic kernels
 (so "bitwise equal to no offload" is a fair test on a GPU too) and, when the variable is set, torch's
 CUDA sanitizer (CSAN) checking every stream access of the backend. NOT RUN YET: no GPU is available
-to this project (README says so); the same logic is checked on CPU by the simulated CUDA runtime
+to this project (docs/gpu.md says so); the same logic is checked on CPU by the simulated CUDA runtime
 (test_simulated_cuda.py)."""
 
 from __future__ import annotations
