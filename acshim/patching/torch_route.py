@@ -45,7 +45,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from .. import dropin
-from ..compiled import _TracedCall
+from ..compiled import TracedCall
 from ..facades._env import offload_storage
 from ..region import TORCH_CHECKPOINT
 from ..selective import honour_offload
@@ -106,7 +106,7 @@ def _has_policy(kwargs: dict[str, Any]) -> bool:
 def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
                       **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint`` with the region run by acshim's engine."""
-    if torch.compiler.is_compiling() or isinstance(function, _TracedCall):
+    if torch.compiler.is_compiling() or isinstance(function, TracedCall):
         # traced: Dynamo takes this very function for its checkpoint operator (it compares identity with
         # torch.utils.checkpoint.checkpoint); run eagerly for a region Dynamo gave up on: torch's own
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
