@@ -38,7 +38,7 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,19 +65,22 @@ TRANSFORMERS_CALLERS = ("transformers.", "transformers_modules.")
 
 @dataclass
 class _Routes:
+    """This module's whole state: which calls are routed, and the storage scope routed offload
+    policies share (dropped once nothing is routed: ``uninstall()`` leaves none behind)."""
+
     everything: bool = False
     callers: tuple[str, ...] = ()
     """Prefixes of the modules whose calls are routed when not ``everything``."""
     policies: bool = False
     """Route every call given a ``context_fn`` (a selective-checkpoint policy may offload)."""
+    policy_scopes: dict[tuple[object, ...], BoundaryOffload] = field(default_factory=dict)
+    """``policy_scope()``'s scope, by the tier setting it was made for."""
 
 
 _routes = _Routes()
 
 POLICY_ORIGIN = "torch.utils.checkpoint policy"
 """How ``acshim run --report`` names the storage scope of torch's offload policies."""
-
-_policy_scopes: dict[tuple[object, ...], BoundaryOffload] = {}
 
 
 def policy_scope() -> BoundaryOffload:
@@ -86,13 +89,14 @@ def policy_scope() -> BoundaryOffload:
     so every region of a step shares one prefetch schedule."""
     storage, directory = offload_storage()
     key = (storage, directory, get_defaults())
-    scope = _policy_scopes.get(key)
+    scopes = _routes.policy_scopes
+    scope = scopes.get(key)
     if scope is None:
-        _policy_scopes.clear()
+        scopes.clear()
         # horizon 0: every offloaded output leaves in forward and comes back when its recompute needs
         # it, so held memory is never above full recompute's (a horizon H keeps the last H regions'
         # outputs resident); a script wanting overlap uses acshim.selective.offload_policies(prefetch=H)
-        scope = _policy_scopes[key] = boundary_offload(storage, 0, directory)
+        scope = scopes[key] = boundary_offload(storage, 0, directory)
         scope.session.origin = POLICY_ORIGIN
     return scope
 
@@ -169,6 +173,8 @@ def unroute_torch_checkpoint(callers: tuple[str, ...] | None = None) -> None:
 
 
 def _restore_if_unrouted() -> None:
-    if not (_routes.everything or _routes.callers or _routes.policies) \
-            and torch_checkpoint.checkpoint is routed_checkpoint:
+    if _routes.everything or _routes.callers or _routes.policies:
+        return
+    _routes.policy_scopes.clear()
+    if torch_checkpoint.checkpoint is routed_checkpoint:
         torch_checkpoint.checkpoint = TORCH_CHECKPOINT
