@@ -406,9 +406,13 @@ def _run_reentrant(
     return rebuild_output(out_leaves)
 
 
-def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
+def owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
     """The module ``function`` is, or is a bound method / partial of; None for other callables."""
     while isinstance(function, functools.partial):
         function = function.func
     owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
     return owner if isinstance(owner, torch.nn.Module) else None
+
+
+_owning_module = owning_module
+"""The former private name, kept for code that reached for it (``acshim.report``)."""

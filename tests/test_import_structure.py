@@ -30,16 +30,10 @@ KNOWN_PRIVATE = {
     ("acshim.report", "acshim.planner.session", "_dialect_of_caller"),
     ("acshim.storage.scopes", "acshim.storage.session", "_opt_out"),
     ("acshim.storage.scopes", "acshim.storage.session", "_recorders"),
+    ("acshim.planner.choices", "acshim.storage.scopes", "_Options"),  # the storage tier's own name
     # pre-existing, not part of issue 31's list
     ("acshim.facades.smdistributed.modelparallel.torch", "acshim.facades.smdistributed.modelparallel.torch.comm",
      "_create_process_groups"),
-    ("acshim.planner.choices", "acshim.apply", "_APPLIED"),
-    ("acshim.planner.choices", "acshim.wrap", "_MISSING"),
-    ("acshim.planner.choices", "acshim.storage.scopes", "_Options"),
-    ("acshim.planner.picture", "acshim.planner.report", "_baseline_point"),
-    ("acshim.planner.picture", "acshim.planner.report", "_baselines"),
-    ("acshim.planner.profile", "acshim.apply", "_APPLIED"),
-    ("acshim.planner.session", "acshim.region", "_owning_module"),
 }
 
 KNOWN_ARROWS_UP = {
