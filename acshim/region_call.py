@@ -55,7 +55,11 @@ class RegionStats:
 class RegionState:
     """What every region call consults, process-wide: one object, so tests (and tools) reset it in
     one place. The list and the stats object are kept, never replaced: ``acshim.region.ROUTERS`` /
-    ``STATS`` are these very objects."""
+    ``STATS`` are these very objects.
+
+    ``acshim.uninstall()`` leaves it alone: ``install()`` puts nothing here. A router is a plan
+    session its owner starts and stops (``acshim.plan`` and ``PlanSession`` work without
+    ``install()``), and the counts are what ``acshim run`` prints at exit."""
 
     stats: RegionStats = field(default_factory=RegionStats)
     routers: list[Any] = field(default_factory=list)
