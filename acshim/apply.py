@@ -17,7 +17,7 @@ from .wrap import (
 )
 
 _OPTION_FIELDS = set(RegionOptions.__dataclass_fields__)
-_APPLIED = "_acshim_applied_forward"
+APPLIED_ATTRIBUTE = "_acshim_applied_forward"
 """Instance attribute: the region forward ``apply_checkpointing`` installed on the module (copies
 and pickles with it), so applying again can tell its own regions apart."""
 
@@ -74,7 +74,7 @@ def apply_checkpointing(model: nn.Module, policy: PolicyLike = None, *, options:
             checkpoint_sequential_groups(target.module, region_options, target.groups, target.pack_args_as_tuple)
         elif isinstance(target, ModuleTarget):
             checkpoint_module(target.module, region_options)
-        target.module.__dict__[_APPLIED] = checkpointed_forward_of(target.module)
+        target.module.__dict__[APPLIED_ATTRIBUTE] = checkpointed_forward_of(target.module)
         names.append(target.name)
     chosen_now = {id(target.module) for target in targets}
     for module in previous:  # re-targeting: earlier regions the new policy leaves out are removed
@@ -87,11 +87,11 @@ def _applied_regions(model: nn.Module) -> list[nn.Module]:
     """Modules of ``model`` whose region ``apply_checkpointing`` installed (and nothing replaced
     since: a facade's or ``checkpoint_module``'s own regions are left alone when re-targeting)."""
     return [module for module in model.modules()
-            if (forward := module.__dict__.get(_APPLIED)) is not None and forward is checkpointed_forward_of(module)]
+            if (forward := module.__dict__.get(APPLIED_ATTRIBUTE)) is not None and forward is checkpointed_forward_of(module)]
 
 
 def _unapply(module: nn.Module) -> bool:
-    module.__dict__.pop(_APPLIED, None)
+    module.__dict__.pop(APPLIED_ATTRIBUTE, None)
     return uncheckpoint_module(module)
 
 

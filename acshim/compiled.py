@@ -16,6 +16,10 @@ tracker restores, ``saved_tensors_hooks`` storage tiers, lifecycle observers). S
 
 Inside a compiled region ``is_checkpointing()`` and ``is_recomputing()`` stay False: the compiled
 backward recomputes operators, never Python code.
+
+This module sits below ``acshim.region``: the eager region it falls back to is handed in
+(``run_traced(..., eager=acshim.region.run_region)``), and the callable it hands torch's
+checkpoint builds on ``acshim.region_call``, so nothing here imports ``acshim.region``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import region, rng
+from . import rng
 from .options import RegionOptions
+from .region_call import RegionCall
 
 
 def is_compiling() -> bool:
@@ -55,16 +60,20 @@ def needs_eager(options: RegionOptions) -> str | None:
     return None
 
 
+EagerRegion = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any], RegionOptions], Any]
+"""How the eager engine runs a region: ``acshim.region.run_region``'s signature."""
+
+
 def run_traced(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               options: RegionOptions) -> Any:
+               options: RegionOptions, *, eager: EagerRegion) -> Any:
     """The region as Dynamo should see it: torch's checkpoint operator, or a graph break around
-    the eager region."""
+    ``eager(function, args, kwargs, options)`` (the eager region, ``acshim.region.run_region``)."""
     why = needs_eager(options)
     if why is not None:
-        entry = _eager_entries.get(why)
+        entry = _eager_entries.get((why, eager))
         if entry is None:  # first time: Dynamo breaks the graph here, on torch.compiler.disable
-            entry = _eager_entries[why] = torch.compiler.disable(
-                _eager_region, recursive=True,
+            entry = _eager_entries[(why, eager)] = torch.compiler.disable(
+                eager, recursive=True,
                 reason=f"acshim: a region with {why} runs eagerly (a graph break); under fullgraph=True "
                        "drop that option or checkpoint this region with torch.utils.checkpoint")
         return entry(function, args, kwargs, options)
@@ -75,21 +84,17 @@ def run_traced(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     # Dynamo captures as its checkpoint operator whatever torch.utils.checkpoint.checkpoint is now
     # (torch._dynamo.utils.is_utils_checkpoint compares identity): torch's own, or acshim's routed one
     return torch_checkpoint.checkpoint(
-        _TracedCall(function, options), *args, use_reentrant=False,
+        TracedCall(function, options), *args, use_reentrant=False,
         preserve_rng_state=options.preserve_rng_state, **extra, **kwargs)
 
 
-_eager_entries: dict[str, Callable[..., Any]] = {}
-"""Per reason, ``_eager_region`` behind ``torch.compiler.disable`` (made on first use: creating it
-imports Dynamo, which plain eager users never pay for)."""
+_eager_entries: dict[tuple[str, EagerRegion], Callable[..., Any]] = {}
+"""Per reason (and eager region function), the eager region behind ``torch.compiler.disable``
+(made on first use: creating it imports Dynamo, which plain eager users never pay for). A cache
+of wrappers around module-level functions: nothing in it refers to a user's object."""
 
 
-def _eager_region(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                  options: RegionOptions) -> Any:
-    return region.run_region(function, args, kwargs, options)
-
-
-class _TracedCall:
+class TracedCall:
     """The callable handed to torch's checkpoint while compiling. Traced, it is the bare function
     (no side effects, which the operator forbids). If Dynamo gives up on the operator, it runs the
     checkpoint call eagerly: then this becomes the eager region's callable, so the region still
@@ -104,5 +109,5 @@ class _TracedCall:
         if torch.compiler.is_compiling():
             return self.function(*args, **kwargs)
         if self.eager is None:
-            self.eager = region._RegionCall(self.function, self.options)
+            self.eager = RegionCall(self.function, self.options)
         return self.eager(*args, **kwargs)

@@ -42,7 +42,9 @@ A tensor the head returns is a ``HeadLogits`` (a ``torch.Tensor`` subclass): ``F
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -488,9 +490,44 @@ class _Installed:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_INSTALLED: dict[int, _Installed] = {}
+class HeadInstalls:
+    """What ``install`` put on which model, keyed by the model's identity and held weakly: an entry
+    leaves with its model, so a new model that happens to get a collected one's ``id`` is never
+    taken for installed. Also TRL's own ``TOKEN_CHUNK_SIZE``, kept to be put back."""
+
+    def __init__(self) -> None:
+        self._records: dict[int, tuple[weakref.ref[nn.Module], _Installed]] = {}
+        self.trl_default: int | None = None
+
+    def get(self, model: nn.Module) -> _Installed | None:
+        entry = self._records.get(id(model))
+        return entry[1] if entry is not None and entry[0]() is model else None
+
+    def put(self, model: nn.Module, record: _Installed) -> None:
+        key = id(model)
+        self._records[key] = (weakref.ref(model, functools.partial(self._forget, key)), record)
+
+    def pop(self, model: nn.Module) -> _Installed | None:
+        record = self.get(model)
+        if record is not None:
+            del self._records[id(model)]
+        return record
+
+    def records(self) -> list[_Installed]:
+        """The records of the models still alive."""
+        return [record for ref, record in self._records.values() if ref() is not None]
+
+    def __len__(self) -> int:
+        return len(self.records())
+
+    def _forget(self, key: int, ref: weakref.ref[nn.Module]) -> None:
+        entry = self._records.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._records[key]
+
+
+INSTALLS = HeadInstalls()
 _TRL_KERNEL = "trl.kernels.chunked_logprob"
-_TRL_DEFAULT: list[int] = []
 
 
 def install(model: nn.Module, mode: str = "head", *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -512,31 +549,32 @@ def install(model: nn.Module, mode: str = "head", *, chunk_bytes: int = DEFAULT_
     if head is not None:
         head.forward = HeadForward(head, mode, chunk_bytes, exact)
     if trl is not None:
-        if not _TRL_DEFAULT:
-            _TRL_DEFAULT.append(trl.TOKEN_CHUNK_SIZE)
+        if INSTALLS.trl_default is None:
+            INSTALLS.trl_default = trl.TOKEN_CHUNK_SIZE
         vocab = head.weight.shape[0] if head is not None else _trl_vocab(model)
         record.trl_chunk = rows_per_chunk(vocab, 4, chunk_bytes)
         trl.TOKEN_CHUNK_SIZE = record.trl_chunk
-    _INSTALLED[id(model)] = record
+    INSTALLS.put(model, record)
     return True
 
 
 def remove(model: nn.Module) -> None:
     """Undo ``install`` (nothing to do when it was not installed)."""
-    record = _INSTALLED.pop(id(model), None)
+    record = INSTALLS.pop(model)
     if record is None:
         return
     if record.head is not None and isinstance(record.head.__dict__.get("forward"), HeadForward):
         del record.head.forward
-    if record.trl_chunk is not None and not any(r.trl_chunk for r in _INSTALLED.values()) and _TRL_DEFAULT:
+    if record.trl_chunk is not None and not any(r.trl_chunk for r in INSTALLS.records()) \
+            and INSTALLS.trl_default is not None:
         trl = sys.modules.get(_TRL_KERNEL)
         if trl is not None:
-            trl.TOKEN_CHUNK_SIZE = _TRL_DEFAULT[0]
+            trl.TOKEN_CHUNK_SIZE = INSTALLS.trl_default
 
 
 def installed_mode(model: nn.Module) -> str | None:
     """The mode ``install`` put on ``model``, None when none."""
-    record = _INSTALLED.get(id(model))
+    record = INSTALLS.get(model)
     return record.mode if record is not None else None
 
 

@@ -18,7 +18,6 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +36,9 @@ from . import (
     structures,
 )
 from .options import DEFAULT_OPTIONS, RegionOptions
+from .region_call import REGION_STATE, RegionCall, RegionStats, notify
 from .region_modules import region_modules
-from .state import _flag, disable_checkpointing, enable_checkpointing, enable_recomputing, state
+from .state import disable_checkpointing, enable_checkpointing, enable_recomputing, state
 
 TORCH_CHECKPOINT = torch_checkpoint.checkpoint
 """torch's own ``checkpoint``, bound at import: the engine always calls this one, so routing the
@@ -54,37 +54,13 @@ REENTRANT_GRAD_ERROR = (
 )
 
 
-@dataclass
-class RegionStats:
-    """Process-wide counts of region forwards and recomputes: evidence that a script really ran
-    on the engine (``acshim run`` prints them at exit when ``ACSHIM_REPORT_REGIONS=1``)."""
+STATS: RegionStats = REGION_STATE.stats
+"""Process-wide region counts (``acshim.region_call.RegionStats``); the same object as
+``REGION_STATE.stats``."""
 
-    forwards: int = 0
-    recomputes: int = 0
-    recorder: Any = None
-    """``acshim run --report``'s per-region recorder (``acshim.report``): ``call`` at each region
-    call, ``forward`` / ``recompute`` as the engine runs them."""
-
-    def forward(self, function: Callable[..., Any]) -> None:
-        self.forwards += 1
-        if self.recorder is not None:
-            self.recorder.forward(function)
-
-    def recompute(self, function: Callable[..., Any]) -> None:
-        self.recomputes += 1
-        if self.recorder is not None:
-            self.recorder.recompute(function)
-
-    def __str__(self) -> str:
-        return f"acshim: {self.forwards} region forwards, {self.recomputes} recomputes"
-
-
-STATS = RegionStats()
-
-ROUTERS: list[Any] = []
-"""At most one router (``acshim run --budget``'s plan session, ``acshim.planner.session``): every
-region call goes to ``router.route(function, args, kwargs, options)``, which decides how the region
-runs (keep, selective, recompute, offload) and calls ``run_region_now`` for the engine's part."""
+ROUTERS: list[Any] = REGION_STATE.routers
+"""The router stack (``acshim.region_call.RegionState.routers``); the same list as
+``REGION_STATE.routers``: every region call goes to ``ROUTERS[-1].route(...)`` when one is set."""
 
 
 def run_region(
@@ -113,7 +89,7 @@ def run_region_now(function: Callable[..., Any], args: tuple[Any, ...], kwargs: 
     """``run_region`` past the router (grad enabled, checkpointing not disabled)."""
     args, kwargs = region_state.region_inputs(function, args, kwargs)  # no cache written twice
     if compiled.is_compiling():
-        return compiled.run_traced(function, args, kwargs, options)
+        return compiled.run_traced(function, args, kwargs, options, eager=run_region)
     scope = options.saved_tensors_scope() if options.saved_tensors_scope else contextlib.nullcontext()
     with scope:
         if options.reentrant:
@@ -122,48 +98,11 @@ def run_region_now(function: Callable[..., Any], args: tuple[Any, ...], kwargs: 
 
 
 # --------------------------------------------------------------------------------------------------
-# non-reentrant: torch.utils.checkpoint does the recompute; _RegionCall adds what it lacks
+# non-reentrant: torch.utils.checkpoint does the recompute; RegionCall (acshim.region_call) adds
+# what it lacks
 
-
-class _RegionCall:
-    """The callable handed to torch's checkpoint: first call is the forward, later ones recompute."""
-
-    def __init__(self, function: Callable[..., Any], options: RegionOptions) -> None:
-        self.function = function
-        self.options = options
-        self.calls = 0
-        self.tracker_states = rng.capture_tracker_states() if options.preserve_rng_state else []
-
-        self.buffer_changes: list[region_buffers.Change] | None = None
-        self.reads: region_reads.Reads | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        observer = self.options.observer
-        if self.calls == 1:
-            STATS.forward(self.function)
-            _notify(observer, "forward_start", self.function)
-            referenced: dict[int, torch.Tensor] = {}
-            modules = region_modules(self.function, args, kwargs, referenced)
-            with region_buffers.watching(modules) as buffers, enable_checkpointing():
-                output = self.function(*args, **kwargs)
-            self.buffer_changes = buffers.changes()
-            self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes,
-                                             referenced.values())
-            _notify(observer, "forward_end", self.function)
-            return output
-        region_reads.check(self.reads)
-        with contextlib.ExitStack() as stack:
-            if self.tracker_states:
-                stack.enter_context(rng.restored_tracker_states(self.tracker_states))
-            stack.enter_context(_flag("is_checkpointing", False))
-            stack.enter_context(enable_recomputing())
-            stack.enter_context(region_buffers.as_the_forward_saw_them(self.buffer_changes))
-            STATS.recompute(self.function)
-            _notify(observer, "recompute_start", self.function)
-            # torch stops an early-stopped recompute with an exception: report the end regardless
-            stack.callback(_notify, observer, "recompute_end", self.function)
-            return self.function(*args, **kwargs)
+_RegionCall = RegionCall
+"""The former private name, kept for code that reached for it (``acshim.report``'s frame walk)."""
 
 
 def _run_non_reentrant(
@@ -177,7 +116,7 @@ def _run_non_reentrant(
         early_stop_context = torch_checkpoint.set_checkpoint_early_stop(False)
     with early_stop_context:
         return TORCH_CHECKPOINT(
-            _RegionCall(function, options),
+            RegionCall(function, options),
             *args,
             use_reentrant=False,
             preserve_rng_state=options.preserve_rng_state,
@@ -255,7 +194,7 @@ class _ReentrantSpec:
         Returns the output, the first node number of its graph, the modules it ran and the
         tensors its modules returned (``acshim.region_escapes``)."""
         STATS.forward(self.function)
-        _notify(self.options.observer, "forward_start", self.function)
+        notify(self.options.observer, "forward_start", self.function)
         versions = _versions(tensors)
         with region_buffers.watching(modules) as buffers, enable_checkpointing(), disable_checkpointing(), \
                 region_graph.saving_nothing(), region_escapes.watching() as noted:
@@ -265,7 +204,7 @@ class _ReentrantSpec:
         self.reads = region_reads.record(modules or buffers.modules(), self.buffer_changes, referenced.values())
         self.changed_inputs = [(i, v) for i, (t, v) in enumerate(zip(tensors, versions))
                                if v >= 0 and t._version != v]
-        _notify(self.options.observer, "forward_end", self.function)
+        notify(self.options.observer, "forward_end", self.function)
         return output, since, modules or buffers.modules(), noted
 
     def connect(self, outputs: list[torch.Tensor], since: int, tensors: tuple[torch.Tensor, ...],
@@ -375,13 +314,13 @@ class _ReentrantRegion(torch.autograd.Function):
                 stack.enter_context(enable_recomputing())
                 stack.enter_context(region_buffers.as_the_forward_saw_them(spec.buffer_changes))
                 STATS.recompute(spec.function)
-                _notify(options.observer, "recompute_start", spec.function)
+                notify(options.observer, "recompute_start", spec.function)
                 count = len(spec.output_positions)
                 wanted = {p for p, g in zip(spec.escape_positions, grads[count:]) if g is not None}
                 if wanted:
                     noted = stack.enter_context(region_escapes.watching(wanted))
                 output = spec.call(inputs)
-            _notify(options.observer, "recompute_end", spec.function)
+            notify(options.observer, "recompute_end", spec.function)
 
             leaves, _ = structures.flatten(output)
             pairs = [(leaves[i], g) for i, g in zip(spec.output_positions, grads)
@@ -391,7 +330,7 @@ class _ReentrantRegion(torch.autograd.Function):
                 del noted
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            _notify(options.observer, "backward_end", spec.function)
+            notify(options.observer, "backward_end", spec.function)
         # ctx.spec stays: a second backward (retain_graph=True) recomputes again, as torch's does.
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         return (None, None, *input_grads,
@@ -467,7 +406,7 @@ def _run_reentrant(
     return rebuild_output(out_leaves)
 
 
-def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
+def owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
     """The module ``function`` is, or is a bound method / partial of; None for other callables."""
     while isinstance(function, functools.partial):
         function = function.func
@@ -475,8 +414,5 @@ def _owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
-def _notify(observer: Any, event: str, region: Callable[..., Any]) -> None:
-    if observer is not None:
-        callback = getattr(observer, event, None)
-        if callback is not None:
-            callback(region)
+_owning_module = owning_module
+"""The former private name, kept for code that reached for it (``acshim.report``)."""

@@ -19,13 +19,14 @@ from torch import nn
 from .options import RegionOptions
 from .region import run_region
 
-_MISSING = object()
+MISSING = object()
+"""``replaced`` when the module had no instance ``forward`` of its own (``None`` is a value it may have)."""
 
 
 class CheckpointedForward:
     """The instance ``forward`` of a checkpointed module."""
 
-    def __init__(self, module: nn.Module, options: RegionOptions, replaced: Any = _MISSING) -> None:
+    def __init__(self, module: nn.Module, options: RegionOptions, replaced: Any = MISSING) -> None:
         self._module = weakref.ref(module)
         self.options = options
         self.replaced = replaced  # the instance attribute ``forward`` had before, if any
@@ -39,7 +40,7 @@ class CheckpointedForward:
 
     def plain_forward(self) -> Callable[..., Any]:
         """The forward this region runs."""
-        if self.replaced is not _MISSING:
+        if self.replaced is not MISSING:
             return self.replaced
         module = self.module
         return type(module).forward.__get__(module)
@@ -49,16 +50,16 @@ class CheckpointedForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointedForward:
         new_module = copy.deepcopy(self.module, memo)
-        replaced = self.replaced if self.replaced is _MISSING else copy.deepcopy(self.replaced, memo)
+        replaced = self.replaced if self.replaced is MISSING else copy.deepcopy(self.replaced, memo)
         return CheckpointedForward(new_module, self.options, replaced)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        replaced = None if self.replaced is _MISSING else self.replaced
-        return (_restore_forward, (self.module, self.options, replaced, self.replaced is _MISSING))
+        replaced = None if self.replaced is MISSING else self.replaced
+        return (_restore_forward, (self.module, self.options, replaced, self.replaced is MISSING))
 
 
 def _restore_forward(module: nn.Module, options: RegionOptions, replaced: Any, missing: bool) -> CheckpointedForward:
-    return CheckpointedForward(module, options, _MISSING if missing else replaced)
+    return CheckpointedForward(module, options, MISSING if missing else replaced)
 
 
 class CheckpointedSequentialForward(CheckpointedForward):
@@ -70,7 +71,7 @@ class CheckpointedSequentialForward(CheckpointedForward):
     """
 
     def __init__(self, module: nn.Sequential, options: RegionOptions, groups: Sequence[Sequence[int]],
-                 pack_args_as_tuple: bool = False, replaced: Any = _MISSING) -> None:
+                 pack_args_as_tuple: bool = False, replaced: Any = MISSING) -> None:
         super().__init__(module, options, replaced)
         self.groups = [list(g) for g in groups]
         self.pack_args_as_tuple = pack_args_as_tuple
@@ -119,7 +120,7 @@ def checkpoint_module(module: nn.Module, options: RegionOptions) -> nn.Module:
     is already a region keeps one region and takes the new options."""
     _check_arguments("checkpoint_module", module, options)
     existing = checkpointed_forward_of(module)
-    replaced = existing.replaced if existing is not None else module.__dict__.get("forward", _MISSING)
+    replaced = existing.replaced if existing is not None else module.__dict__.get("forward", MISSING)
     module.forward = CheckpointedForward(module, options, replaced)
     return module
 
@@ -134,7 +135,7 @@ def checkpoint_sequential_groups(module: nn.Sequential, options: RegionOptions, 
     if flat != list(range(len(module))):
         raise ValueError(f"groups must cover children 0..{len(module) - 1} in order, got {groups}")
     existing = checkpointed_forward_of(module)
-    replaced = existing.replaced if existing is not None else module.__dict__.get("forward", _MISSING)
+    replaced = existing.replaced if existing is not None else module.__dict__.get("forward", MISSING)
     module.forward = CheckpointedSequentialForward(module, options, groups, pack_args_as_tuple, replaced)
     return module
 
@@ -146,7 +147,7 @@ def uncheckpoint_module(module: nn.Module) -> bool:
     existing = checkpointed_forward_of(module)
     if existing is None:
         return False
-    if existing.replaced is _MISSING:
+    if existing.replaced is MISSING:
         del module.forward
     else:
         module.forward = existing.replaced

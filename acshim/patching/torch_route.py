@@ -38,14 +38,14 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from .. import dropin
-from ..compiled import _TracedCall
+from ..compiled import TracedCall
 from ..facades._env import offload_storage
 from ..region import TORCH_CHECKPOINT
 from ..selective import honour_offload
@@ -65,19 +65,22 @@ TRANSFORMERS_CALLERS = ("transformers.", "transformers_modules.")
 
 @dataclass
 class _Routes:
+    """This module's whole state: which calls are routed, and the storage scope routed offload
+    policies share (dropped once nothing is routed: ``uninstall()`` leaves none behind)."""
+
     everything: bool = False
     callers: tuple[str, ...] = ()
     """Prefixes of the modules whose calls are routed when not ``everything``."""
     policies: bool = False
     """Route every call given a ``context_fn`` (a selective-checkpoint policy may offload)."""
+    policy_scopes: dict[tuple[object, ...], BoundaryOffload] = field(default_factory=dict)
+    """``policy_scope()``'s scope, by the tier setting it was made for."""
 
 
 _routes = _Routes()
 
 POLICY_ORIGIN = "torch.utils.checkpoint policy"
 """How ``acshim run --report`` names the storage scope of torch's offload policies."""
-
-_policy_scopes: dict[tuple[object, ...], BoundaryOffload] = {}
 
 
 def policy_scope() -> BoundaryOffload:
@@ -86,13 +89,14 @@ def policy_scope() -> BoundaryOffload:
     so every region of a step shares one prefetch schedule."""
     storage, directory = offload_storage()
     key = (storage, directory, get_defaults())
-    scope = _policy_scopes.get(key)
+    scopes = _routes.policy_scopes
+    scope = scopes.get(key)
     if scope is None:
-        _policy_scopes.clear()
+        scopes.clear()
         # horizon 0: every offloaded output leaves in forward and comes back when its recompute needs
         # it, so held memory is never above full recompute's (a horizon H keeps the last H regions'
         # outputs resident); a script wanting overlap uses acshim.selective.offload_policies(prefetch=H)
-        scope = _policy_scopes[key] = boundary_offload(storage, 0, directory)
+        scope = scopes[key] = boundary_offload(storage, 0, directory)
         scope.session.origin = POLICY_ORIGIN
     return scope
 
@@ -106,7 +110,7 @@ def _has_policy(kwargs: dict[str, Any]) -> bool:
 def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None,
                       **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint`` with the region run by acshim's engine."""
-    if torch.compiler.is_compiling() or isinstance(function, _TracedCall):
+    if torch.compiler.is_compiling() or isinstance(function, TracedCall):
         # traced: Dynamo takes this very function for its checkpoint operator (it compares identity with
         # torch.utils.checkpoint.checkpoint); run eagerly for a region Dynamo gave up on: torch's own
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
@@ -169,6 +173,8 @@ def unroute_torch_checkpoint(callers: tuple[str, ...] | None = None) -> None:
 
 
 def _restore_if_unrouted() -> None:
-    if not (_routes.everything or _routes.callers or _routes.policies) \
-            and torch_checkpoint.checkpoint is routed_checkpoint:
+    if _routes.everything or _routes.callers or _routes.policies:
+        return
+    _routes.policy_scopes.clear()
+    if torch_checkpoint.checkpoint is routed_checkpoint:
         torch_checkpoint.checkpoint = TORCH_CHECKPOINT

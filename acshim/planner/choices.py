@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..apply import _APPLIED
+from ..apply import APPLIED_ATTRIBUTE
 from ..options import RegionOptions
 from ..selective import DEFAULT_SAVE_OPS, save_ops
 from ..wrap import (
-    _MISSING,
+    MISSING,
     CheckpointedForward,
     checkpoint_module,
     checkpointed_forward_of,
@@ -120,7 +120,7 @@ class OffloadedForward(CheckpointedForward):
     """The instance ``forward`` of a block whose saved tensors go to a storage tier (no recompute),
     through ``scope`` (a ``SharedOffload``, shared with the model's other offloaded blocks)."""
 
-    def __init__(self, module: nn.Module, storage: str, prefetch: int, replaced: Any = _MISSING,
+    def __init__(self, module: nn.Module, storage: str, prefetch: int, replaced: Any = MISSING,
                  scope: SharedOffload | None = None) -> None:
         super().__init__(module, RegionOptions(), replaced)
         self.storage, self.prefetch = storage, prefetch
@@ -134,7 +134,7 @@ class OffloadedForward(CheckpointedForward):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedForward:
         new_module = copy.deepcopy(self.module, memo)
-        replaced = self.replaced if self.replaced is _MISSING else copy.deepcopy(self.replaced, memo)
+        replaced = self.replaced if self.replaced is MISSING else copy.deepcopy(self.replaced, memo)
         return OffloadedForward(new_module, self.storage, self.prefetch, replaced,
                                 copy.deepcopy(self.scope, memo))
 
@@ -148,7 +148,7 @@ class ShieldedForward(CheckpointedForward):
     with ``options``; else as it is) with what it saves, its region's input included, kept where it
     is (``no_offload``) instead of going through the offload scope around the model."""
 
-    def __init__(self, module: nn.Module, options: RegionOptions, replaced: Any = _MISSING,
+    def __init__(self, module: nn.Module, options: RegionOptions, replaced: Any = MISSING,
                  recompute: bool = False) -> None:
         super().__init__(module, options, replaced)
         self.recompute = recompute
@@ -163,7 +163,7 @@ class ShieldedForward(CheckpointedForward):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShieldedForward:
         new_module = copy.deepcopy(self.module, memo)
-        replaced = self.replaced if self.replaced is _MISSING else copy.deepcopy(self.replaced, memo)
+        replaced = self.replaced if self.replaced is MISSING else copy.deepcopy(self.replaced, memo)
         return ShieldedForward(new_module, self.options, replaced, self.recompute)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -205,18 +205,18 @@ def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, 
     base, _, tier = choice.partition(":")
     existing = checkpointed_forward_of(block)
     if existing is not None:
-        block.__dict__.pop(_APPLIED, None)
+        block.__dict__.pop(APPLIED_ATTRIBUTE, None)
         uncheckpoint_module(block)
     if within_offload and base in ("keep", "selective", "selective-alt", "recompute"):
         recompute = base != "keep"
         options = choice_options(choice) if recompute else RegionOptions()
-        block.forward = ShieldedForward(block, options, block.__dict__.get("forward", _MISSING), recompute)
-        block.__dict__[_APPLIED] = block.__dict__["forward"]
+        block.forward = ShieldedForward(block, options, block.__dict__.get("forward", MISSING), recompute)
+        block.__dict__[APPLIED_ATTRIBUTE] = block.__dict__["forward"]
         return
     if base == "keep":
         return
     if base == "offload":
-        replaced = block.__dict__.get("forward", _MISSING)
+        replaced = block.__dict__.get("forward", MISSING)
         scope = None
         if shared is not None:
             scope = shared.get(tier)
@@ -226,7 +226,7 @@ def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, 
     else:
         options = choice_options(choice)
         checkpoint_module(block, options)
-    block.__dict__[_APPLIED] = block.__dict__["forward"]
+    block.__dict__[APPLIED_ATTRIBUTE] = block.__dict__["forward"]
 
 
 def outside_choices(model: nn.Module, choices: tuple[str, ...] | list[str]) -> list[str]:
@@ -270,8 +270,8 @@ def install_outside(model: nn.Module, outside: str, prefetch: int = 2,
         head.remove(model)
     elif head.installed_mode(model) != mode and not head.install(model, mode):
         raise ValueError(f"outside choice {outside!r}: {type(model).__name__} has no LM head acshim.head can run")
-    ours = isinstance(model.__dict__.get(_APPLIED), OffloadedForward) and model.__dict__.get(
-        "forward") is model.__dict__.get(_APPLIED)
+    ours = isinstance(model.__dict__.get(APPLIED_ATTRIBUTE), OffloadedForward) and model.__dict__.get(
+        "forward") is model.__dict__.get(APPLIED_ATTRIBUTE)
     if offload == "keep":
         if ours:
             install(model, "keep")

@@ -56,7 +56,7 @@ def write_png(plan: object, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"--png {path}: matplotlib is not installed (pip install 'acshim[plot]'); no figure written"
-    from .report import _baseline_point, _baselines  # the frontier's baselines, as the table shows them
+    from .report import baseline_point, baselines  # the frontier's baselines, as the table shows them
 
     profile: Profile = plan.profile  # type: ignore[attr-defined]
     figure, (steps, frontier) = plt.subplots(1, 2, figsize=SIZE_INCHES, dpi=DPI,
@@ -88,8 +88,8 @@ def write_png(plan: object, path: str) -> str:
     points = plan.frontier()  # type: ignore[attr-defined]
     frontier.plot([p.peak / ref_peak for p in points], [p.seconds / ref_seconds for p in points], "o-",
                   color=COLOURS["plan"], label="plans (frontier)")
-    for label, choice in _baselines(profile):
-        peak, seconds = _baseline_point(plan, choice)  # type: ignore[arg-type]
+    for label, choice in baselines(profile):
+        peak, seconds = baseline_point(plan, choice)  # type: ignore[arg-type]
         frontier.plot(peak / ref_peak, seconds / ref_seconds, "s", label=label,
                       color=COLOURS.get(label))
     frontier.axvline(budget / ref_peak, color=COLOURS["budget"], linestyle="--", linewidth=2)

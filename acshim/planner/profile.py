@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import structures
-from ..apply import _APPLIED
+from ..apply import APPLIED_ATTRIBUTE
 from ..measure import default_loss
 from .choices import SharedOffload, is_offload
 from .costs import RunTime, Stopwatch
@@ -178,14 +178,14 @@ class ModelState:
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
         self.model = model
         self.modules = [block for _, block in blocks] + [model]  # the model: the outside choice's scope
-        self.forwards = [(module.__dict__.get("forward"), module.__dict__.get(_APPLIED)) for module in self.modules]
+        self.forwards = [(module.__dict__.get("forward"), module.__dict__.get(APPLIED_ATTRIBUTE)) for module in self.modules]
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.rng = torch.get_rng_state()
         self.training = model.training
 
     def restore(self) -> None:
         for block, (forward, applied) in zip(self.modules, self.forwards, strict=True):
-            for key, value in (("forward", forward), (_APPLIED, applied)):
+            for key, value in (("forward", forward), (APPLIED_ATTRIBUTE, applied)):
                 if value is None:
                     block.__dict__.pop(key, None)
                 else:

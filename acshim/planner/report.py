@@ -19,20 +19,21 @@ def frontier_table(plan: Plan) -> str:
                     f"{point.seconds * 1e3:>9.1f} {point.seconds / ref_seconds:>7.2f}  {_counts(point.choices)}"
                     f"{'' if point.outside == 'keep' else f'; outside {point.outside}'}")
     rows.append("baselines (every region the same, predicted)")
-    for label, choice in _baselines(plan.profile):
-        peak, seconds = _baseline_point(plan, choice)
+    for label, choice in baselines(plan.profile):
+        peak, seconds = baseline_point(plan, choice)
         rows.append(f"{label:>12} {format_bytes(peak):>12} {peak / ref_peak:>7.2f} {seconds * 1e3:>9.1f} "
                     f"{seconds / ref_seconds:>7.2f}  {choice}")
     return "\n".join(rows)
 
 
-def _baselines(profile: Profile) -> list[tuple[str, str]]:
+def baselines(profile: Profile) -> list[tuple[str, str]]:
+    """The baseline rows of the plan table (and picture): label and the one choice every region takes."""
     wanted = [("none", "keep"), ("recompute", "recompute"), ("selective", "selective")]
     wanted += [("offload", c) for c in profile.choices if c.startswith("offload:")][:1]
     return [(label, choice) for label, choice in wanted if choice in profile.choices]
 
 
-def _baseline_point(plan: Plan, choice: str) -> tuple[int, float]:
+def baseline_point(plan: Plan, choice: str) -> tuple[int, float]:
     """Predicted (peak, seconds) of every region run as ``choice``; offload offloads the part outside
     the regions too when it was profiled (as one ``acshim.offload()`` around the step would)."""
     assignment = [choice] * len(plan.blocks)

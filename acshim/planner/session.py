@@ -40,7 +40,7 @@ from torch import nn
 
 from .. import region as engine
 from ..options import RegionOptions
-from ..region import _owning_module, run_region_now
+from ..region import owning_module, run_region_now
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
@@ -224,7 +224,7 @@ class PlanSession:
     def _site(self, index: int, function: Callable[..., Any], options: RegionOptions) -> RegionSite:
         if index < len(self.sites):
             return self.sites[index]
-        owner = _owning_module(function)
+        owner = owning_module(function)
         # a facade that made the region marks its module (acshim_dialect); else the API that called it
         site = RegionSite(function, owner, getattr(owner, "acshim_dialect", None) or dialect_of_caller(),
                           describe(options))

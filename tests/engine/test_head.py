@@ -204,3 +204,24 @@ def test_install_refuses_bad_arguments_and_models_without_a_head() -> None:
     with pytest.raises(ValueError, match="chunk_bytes"):
         head.install(_model(), chunk_bytes=0)
     assert not head.install(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_an_install_leaves_with_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installs are keyed by the model itself, held weakly: once a model is collected its record
+    goes, and a new model that gets the collected one's ``id`` is not taken for installed (keyed
+    by ``id(model)``, ``installed_mode`` said "loss" for it and the planner left its head
+    unchunked). CPython reuses a freed address for the next object of its size, but not reliably
+    under pytest, so ``head``'s ``id`` gives every model the same number here."""
+    import weakref
+
+    monkeypatch.setattr(head, "id", lambda obj: 12345, raising=False)
+    model = _model()
+    assert head.install(model, "loss") and head.installed_mode(model) == "loss"
+    alive = weakref.ref(model)
+    del model  # freed here: nothing else refers to it
+    assert alive() is None and len(head.INSTALLS) == 0
+    fresh = TinyLM()
+    assert head.installed_mode(fresh) is None
+    assert head.install(fresh, "head") and head.installed_mode(fresh) == "head"
+    head.remove(fresh)
+    assert head.installed_mode(fresh) is None and len(head.INSTALLS) == 0

@@ -344,3 +344,23 @@ def test_global_module_hook_only_for_regions_whose_modules_are_unknown(reentrant
         acshim.run_region(wrap(module), (x,), {}, acshim.RegionOptions(reentrant=reentrant)).sum().backward()
         assert seen == [hooked, 0]  # forward, recompute
         assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), module.buffers()))
+
+
+def test_region_state_is_one_object_behind_the_public_names() -> None:
+    """``acshim.region.STATS`` / ``ROUTERS`` are ``REGION_STATE``'s own objects, and ``reset()``
+    clears them in place, so code holding the public names sees the reset."""
+    from acshim import region
+    from acshim.region_call import REGION_STATE, RegionState
+
+    assert region.STATS is REGION_STATE.stats and region.ROUTERS is REGION_STATE.routers
+    local = RegionState()
+    stats, routers = local.stats, local.routers
+    stats.forwards, stats.recomputes, stats.recorder = 3, 2, object()
+    routers.append(object())
+    local.reset()
+    assert local.stats is stats and local.routers is routers
+    assert (stats.forwards, stats.recomputes, stats.recorder, routers) == (0, 0, None, [])
+    before = region.STATS.forwards, region.STATS.recomputes
+    layer = nn.Linear(4, 4)
+    acshim.checkpoint(layer, torch.randn(2, 4, requires_grad=True), use_reentrant=False).sum().backward()
+    assert (region.STATS.forwards, region.STATS.recomputes) == (before[0] + 1, before[1] + 1)

@@ -221,7 +221,7 @@ def test_held_copies_are_only_of_changed_buffers_and_stepping_out_of_selective_m
     context_fn = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, policy)
     for block, changed in ((Constant(), 0), (InPlaceAverage(), 1)):
         calls.clear()
-        region = acshim.region._RegionCall(block, acshim.RegionOptions(context_fn=context_fn))
+        region = acshim.region.RegionCall(block, acshim.RegionOptions(context_fn=context_fn))
         out = torch.utils.checkpoint.checkpoint(region, torch.randn(3, WIDTH, requires_grad=True),
                                                 use_reentrant=False, context_fn=context_fn)
         assert len(region.buffer_changes) == changed

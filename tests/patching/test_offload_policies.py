@@ -78,6 +78,7 @@ def test_install_routes_offload_policies_to_the_tier_bitwise_and_uninstall_resto
         acshim.uninstall()
         reset_defaults()
     assert torch_checkpoint.checkpoint is TORCH_CHECKPOINT
+    assert not torch_route._routes.policy_scopes  # uninstall leaves no storage scope behind
 
 
 SCRIPT = '''
