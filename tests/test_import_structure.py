@@ -31,9 +31,6 @@ KNOWN_PRIVATE = {
     ("acshim.storage.scopes", "acshim.storage.session", "_opt_out"),
     ("acshim.storage.scopes", "acshim.storage.session", "_recorders"),
     ("acshim.planner.choices", "acshim.storage.scopes", "_Options"),  # the storage tier's own name
-    # pre-existing, not part of issue 31's list
-    ("acshim.facades.smdistributed.modelparallel.torch", "acshim.facades.smdistributed.modelparallel.torch.comm",
-     "_create_process_groups"),
 }
 
 KNOWN_ARROWS_UP = {

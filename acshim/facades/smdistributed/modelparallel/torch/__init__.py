@@ -108,7 +108,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     state.reset_model_state()
     state.cfg = cfg
     if comm.size() > 1:
-        comm._create_process_groups()
+        comm.create_process_groups()
         return
     for key in _MODEL_PARALLEL_DEGREES:
         if cfg.values[key] > 1:

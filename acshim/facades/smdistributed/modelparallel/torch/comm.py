@@ -151,7 +151,7 @@ _PIPELINE = (CommGroup.PP_GROUP, CommGroup.MP_GROUP)
 _groups: dict[str, Any] = {}
 
 
-def _create_process_groups() -> None:
+def create_process_groups() -> None:
     """Create this rank's pipeline, data-parallel and one-rank groups (``new_group`` is collective,
     so every rank creates every group in the same order, as torch requires); called by ``smp.init``."""
     _groups.clear()
