@@ -288,6 +288,7 @@ def test_a_kept_tensor_after_a_failed_write_is_tied_to_the_stream_backward_uses(
         gated.gate.set()
     got = torch.autograd.grad(loss, list(a.parameters()))  # backward reads the kept copies on this stream
     for g, e in zip(got, expected):
+        sim.record_stream(g, sim.current_stream())  # made on the side stream (its backward's), used here
         assert torch.equal(g, e)
     del loss
     _settled(sim)  # the fixture then fails on memory freed while this stream may still use it
