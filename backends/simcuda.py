@@ -165,10 +165,15 @@ class SimEvent:
     def __init__(self, sim: SimulatedCuda) -> None:
         self.sim = sim
         self.clock: Clock | None = None
+        self.at = 0.0
+        """Timed mode: when the event completes (its work's end, or the host's record time if later)."""
 
     def record(self, stream: SimStream | None = None) -> None:
         with self.sim._api("event.record"):
             self.clock = self.sim._snapshot(stream if stream is not None else self.sim._current())
+            timeline = self.sim.timeline
+            if timeline is not None:
+                self.at = max(timeline.host, timeline.time_of(self.clock))
 
     def synchronize(self) -> None:
         with self.sim._api("event.synchronize", capturable=False):
@@ -187,7 +192,7 @@ class SimEvent:
         timeline = self.sim.timeline
         if timeline is None or self.clock is None or end.clock is None:
             raise RuntimeError("elapsed_time needs a timed simulator (timing=BandwidthModel()) and two recorded events")
-        return (timeline.time_of(end.clock) - timeline.time_of(self.clock)) * 1e3
+        return (end.at - self.at) * 1e3
 
 
 class SimulatedCuda:
