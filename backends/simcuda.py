@@ -40,9 +40,18 @@ poisons, every use that real hardware would be free to get wrong:
 - **Graph capture**: inside ``capture()``, ``is_capturing`` is True and host synchronisation,
   ``query`` and ``pin``/``unpin`` raise, as CUDA's stream capture does.
 - **Pinned memory is counted** (allocations and bytes) for the pool's tests.
+- **Autograd nodes run on their forward op's stream**, as torch's engine runs them on a GPU: the
+  backward of an op made while a side stream was current runs with that stream current (after it
+  waited for the stream its gradient came from), and the outer stream waits for it afterwards.
+- **Timed mode** (``timing=BandwidthModel()``, ``backends/simtime.py``): every copy and kernel gets a
+  duration from a bandwidth model and a place on a virtual clock per stream; the host has a clock
+  too (launch costs, waits). ``synchronize`` moves the host's clock to the device's, ``query`` and
+  the allocator's reuse of ``record_stream``-ed blocks answer by virtual time, pageable copies make
+  the host wait their (slower) duration, ``Event.elapsed_time`` reads the clocks; ``timeline``
+  reports host waits, compute-stream idle time and stalls, and copy/compute overlap.
 
 Violations are collected in ``violations``; tests assert it stays empty. The latency-only
-``SimulatedBackend`` (``simulated.py``) stays for overlap timing: this one checks ordering only.
+``SimulatedBackend`` (``simulated.py``) stays for latency-only overlap tests without streams.
 """
 
 from __future__ import annotations

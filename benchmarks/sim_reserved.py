@@ -34,10 +34,15 @@ import torch
 MiB = 2**20
 
 
+WIDTH = 64
+"""Hidden size of the model (``--width``; the tiny config's 64 by default, GPT-2's own is 768)."""
+
+
 def _model(layers: int, seq: int) -> torch.nn.Module:
     from acshim.testing import hf_model
 
-    return hf_model("gpt2", n_layer=layers, n_positions=seq)
+    heads = 4 if WIDTH == 64 else max(1, WIDTH // 64)  # the tiny config's 4 heads, else GPT-2's heads of 64
+    return hf_model("gpt2", n_layer=layers, n_positions=seq, n_embd=WIDTH, n_head=heads)
 
 
 def _inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
@@ -150,10 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--width", type=int, default=64, help="hidden size (heads of 64; the tiny config: 4 of 16)")
+    parser.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))
     parser.add_argument("--skip-reserved", action="store_true", help="only the floor and the timed table")
     args = parser.parse_args(argv)
+    global WIDTH
+    WIDTH = args.width
     shape = (args.layers, args.batch, args.seq)
-    print(f"HF GPT-2 (tiny config, {args.layers} layers x 64), {args.batch} x {args.seq}, host tier, simulated "
+    print(f"HF GPT-2 (tiny config, {args.layers} layers x {args.width}), {args.batch} x {args.seq}, host tier, simulated "
           "(CPU; no GPU figure)\n")
     floor, name, total, count = largest_node(*shape)
     print(f"Floor: the largest backward node ({name}) unpacks {floor / MiB:.1f} MiB at once; {total / MiB:.1f} MiB "
@@ -173,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| link | H | host step | host wait fwd / bwd | device lag at fwd / bwd end | device step | compute busy "
           "| compute idle (stalled on copies) | copy busy | overlap | peak reserved MiB | peak out in flight MiB "
           "| bitwise equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for link_name, link in LINKS.items():
+    for link_name in args.links:
+        link = LINKS[link_name]
         for prefetch in (None, 0, 1, 2):
             row = measure(*shape, prefetch, True, link)
             ms = {key: value * 1e3 for key, value in row.items() if key.endswith("_s")}
