@@ -384,8 +384,12 @@ class SimulatedCuda:
     def compute(self) -> Iterator[None]:
         """Every torch op run inside (on this thread) is eager compute on the current stream; the
         backward of an op made on a side stream runs on that stream (``_AutogradStreams``)."""
-        with _ComputeMode(self), _AutogradStreams(self):
-            yield
+        depth = len(self._stack())
+        try:
+            with _ComputeMode(self), _AutogradStreams(self):
+                yield
+        finally:  # a backward that raised inside a side-stream node never ran the hook that pops it
+            del self._stack()[depth:]
 
     @contextlib.contextmanager
     def unchecked(self) -> Iterator[None]:
