@@ -40,14 +40,24 @@ poisons, every use that real hardware would be free to get wrong:
 - **Graph capture**: inside ``capture()``, ``is_capturing`` is True and host synchronisation,
   ``query`` and ``pin``/``unpin`` raise, as CUDA's stream capture does.
 - **Pinned memory is counted** (allocations and bytes) for the pool's tests.
+- **Autograd nodes run on their forward op's stream**, as torch's engine runs them on a GPU: the
+  backward of an op made while a side stream was current runs with that stream current (after it
+  waited for the stream its gradient came from), and the outer stream waits for it afterwards.
+- **Timed mode** (``timing=BandwidthModel()``, ``backends/simtime.py``): every copy and kernel gets a
+  duration from a bandwidth model and a place on a virtual clock per stream; the host has a clock
+  too (launch costs, waits). ``synchronize`` moves the host's clock to the device's, ``query`` and
+  the allocator's reuse of ``record_stream``-ed blocks answer by virtual time, pageable copies make
+  the host wait their (slower) duration, ``Event.elapsed_time`` reads the clocks; ``timeline``
+  reports host waits, compute-stream idle time and stalls, and copy/compute overlap.
 
 Violations are collected in ``violations``; tests assert it stays empty. The latency-only
-``SimulatedBackend`` (``simulated.py``) stays for overlap timing: this one checks ordering only.
+``SimulatedBackend`` (``simulated.py``) stays for latency-only overlap tests without streams.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import threading
 from collections import deque
@@ -56,8 +66,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .simtime import BandwidthModel, Timeline, op_flops, tensor_bytes
 
 PAGE = 4096
 POISON = 0xFF
@@ -145,7 +158,7 @@ class SimStream:
     def synchronize(self) -> None:
         with self.sim._api("stream.synchronize", capturable=False):
             clock = self.sim._snapshot(self)
-            self.sim._host_sync(clock)
+            self.sim._host_sync(clock, f"{self.name}.synchronize")
 
     def query(self) -> bool:
         with self.sim._api("stream.query", capturable=False):
@@ -161,21 +174,34 @@ class SimEvent:
     def __init__(self, sim: SimulatedCuda) -> None:
         self.sim = sim
         self.clock: Clock | None = None
+        self.at = 0.0
+        """Timed mode: when the event completes (its work's end, or the host's record time if later)."""
 
     def record(self, stream: SimStream | None = None) -> None:
         with self.sim._api("event.record"):
             self.clock = self.sim._snapshot(stream if stream is not None else self.sim._current())
+            timeline = self.sim.timeline
+            if timeline is not None:
+                self.at = max(timeline.host, timeline.time_of(self.clock))
 
     def synchronize(self) -> None:
         with self.sim._api("event.synchronize", capturable=False):
             if self.sim.fail_synchronize is not None:
                 raise self.sim.fail_synchronize
             if self.clock is not None:
-                self.sim._host_sync(self.clock)
+                self.sim._host_sync(self.clock, "event.synchronize")
 
     def query(self) -> bool:
         with self.sim._api("event.query", capturable=False):
             return self.clock is None or self.sim._query(self.clock)
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        """Milliseconds of virtual time from this event to ``end`` (timed mode only, as CUDA's
+        ``elapsed_time`` needs timing events)."""
+        timeline = self.sim.timeline
+        if timeline is None or self.clock is None or end.clock is None:
+            raise RuntimeError("elapsed_time needs a timed simulator (timing=BandwidthModel()) and two recorded events")
+        return (end.at - self.at) * 1e3
 
 
 class SimulatedCuda:
@@ -186,9 +212,13 @@ class SimulatedCuda:
             (it may also run at any moment the ordering allows).
         seed: for ``"random"``.
         early: in ``"random"`` order, the chance, at each call, of running one more runnable op.
+        timing: a ``BandwidthModel`` (``backends/simtime.py``) to run a virtual clock per stream and
+            one for the host: each op then lasts what the model says, ``query`` and the allocator
+            answer by virtual time, host waits advance the host clock (``timeline``). None: no time.
     """
 
-    def __init__(self, order: str = "lazy", seed: int = 0, early: float = 0.5) -> None:
+    def __init__(self, order: str = "lazy", seed: int = 0, early: float = 0.5,
+                 timing: BandwidthModel | None = None) -> None:
         if order not in ("lazy", "random"):
             raise ValueError(f"order must be 'lazy' or 'random', got {order!r}")
         self.order, self.early = order, early
@@ -225,6 +255,8 @@ class SimulatedCuda:
         self._pageable: set[int] = set()
         self.synchronized_by: dict[str, int] = {}
         """Host synchronisations (event or stream) that had to wait for unfinished work, per thread name."""
+        self.timeline = Timeline(timing) if timing is not None else None
+        """Virtual time (timed mode): host clock, per-stream op ends, host waits, stalls."""
         self.fail_synchronize: BaseException | None = None
         """Set to make every ``Event.synchronize`` raise it (a CUDA error, for error-path tests)."""
 
@@ -333,8 +365,14 @@ class SimulatedCuda:
             writes = [self._range(destination, default_owner=stream.id)]
             op = self._issue(stream, lambda: destination.copy_(source), reads, writes, [destination, source],
                              f"copy {source.numel()} B on {stream.name}")
-            if reads[0][0] in self._pageable or writes[0][0] in self._pageable:  # not pinned: synchronous
-                self._host_sync(self._snapshot(stream))
+            keys = (reads[0][0], writes[0][0])
+            pageable = any(key in self._pageable for key in keys)
+            if self.timeline is not None:
+                kind = "pageable" if pageable else "pinned" if any(key in self._pinned for key in keys) else "device"
+                seconds = self.timeline.model.copy_seconds(source.numel() * source.element_size(), kind)
+                self.timeline.schedule(stream.id, op.position, op.clock, seconds)
+            if pageable:  # not pinned: synchronous
+                self._host_sync(self._snapshot(stream), f"pageable copy on {stream.name}")
             if self._storages[writes[0][0]].owner is None and self._storages[reads[0][0]].owner is not None:
                 self._outs.append((stream.id, op.position, source.numel()))  # device -> pinned host
                 self.pending_out_bytes += source.numel()
@@ -344,15 +382,19 @@ class SimulatedCuda:
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        """Every torch op run inside (on this thread) is eager compute on the current stream."""
-        with _ComputeMode(self):
-            yield
+        """Every torch op run inside (on this thread) is eager compute on the current stream; the
+        backward of an op made on a side stream runs on that stream (``_AutogradStreams``)."""
+        depth = len(self._stack())
+        try:
+            with _ComputeMode(self), _AutogradStreams(self):
+                yield
+        finally:  # a backward that raised inside a side-stream node never ran the hook that pops it
+            del self._stack()[depth:]
 
     @contextlib.contextmanager
     def unchecked(self) -> Iterator[None]:
         """Inside ``compute()``: ops run here are plain CPU ops, neither ordered nor checked (a
-        reference run with no GPU semantics, e.g. backward ops the simulator would put on the wrong
-        stream: torch runs each on its forward op's stream, the simulator on the current one)."""
+        reference run with no GPU semantics)."""
         local = self._local
         outer = getattr(local, "busy", False)
         local.busy = True
@@ -377,6 +419,7 @@ class SimulatedCuda:
             stream.executed = stream.issued
             position = stream.issued
             clock[stream.id] = position - 1
+            depends = dict(clock)
             mutated = _mutated(schema, args, kwargs)
             flat, spec = tree_flatten((args, kwargs))
             for index, value in enumerate(flat):
@@ -399,6 +442,10 @@ class SimulatedCuda:
                 if isinstance(tensor, torch.Tensor) and tensor.numel():
                     key, start, end = self._range(tensor, default_owner=stream.id)
                     self._write(self._storages[key], start, end, stream.id, position)
+            if self.timeline is not None:
+                moved = tensor_bytes(flat) + tensor_bytes(list(returns))
+                seconds = self.timeline.model.kernel_seconds(moved, op_flops(func, args, kwargs, out))
+                self.timeline.schedule(stream.id, position, depends, seconds)
         return out
 
     # ------------------------------------------------------------------------------ reports
@@ -528,8 +575,10 @@ class SimulatedCuda:
 
     def _collect_deferred(self) -> None:
         still = []
+        timeline = self.timeline
         for block, clock in self._deferred:
-            if all(_covers(self._host, other, position) for other, position in clock.items()):
+            if timeline.done(clock) if timeline is not None else \
+                    all(_covers(self._host, other, position) for other, position in clock.items()):
                 self._give_back(block)
             else:
                 still.append((block, clock))
@@ -676,13 +725,24 @@ class SimulatedCuda:
         op.run = None
 
     def _query(self, clock: Clock) -> bool:
-        done = all(self._streams[stream].executed >= position for stream, position in clock.items())
+        if self.timeline is not None:  # done once the host's virtual clock has passed its end
+            done = self.timeline.done(clock)
+            if done:
+                self._run_clock(clock)
+        else:
+            done = all(self._streams[stream].executed >= position for stream, position in clock.items())
         if done:
             self._host_saw(clock)
         return done
 
-    def _host_sync(self, clock: Clock) -> None:
-        if not all(self._streams[stream].executed >= position for stream, position in clock.items()):
+    def _host_sync(self, clock: Clock, what: str = "synchronize") -> None:
+        if self.timeline is not None:
+            blocked = not self.timeline.done(clock)
+            if blocked and threading.get_ident() == self._owner_thread:  # a worker's wait is not the host's
+                self.timeline.wait(clock, what)
+        else:
+            blocked = not all(self._streams[stream].executed >= position for stream, position in clock.items())
+        if blocked:
             name = threading.current_thread().name  # a wait for work not done yet: the host blocks
             self.synchronized_by[name] = self.synchronized_by.get(name, 0) + 1
         self._run_clock(clock)
@@ -727,6 +787,45 @@ class _ComputeMode(TorchDispatchMode):
         if self.sim.busy():
             return func(*args, **kwargs)
         return self.sim._compute(func, args, kwargs)
+
+
+class _AutogradStreams(TorchFunctionMode):
+    """Autograd nodes run on their forward op's stream, as torch's engine runs them on a GPU: a node
+    made while a side stream was current gets a pre-hook that makes that stream current for its
+    backward (after waiting for the stream its incoming gradient was made on, the engine's
+    input-buffer sync) and a hook that restores the outer stream and makes it wait for the node's
+    (the engine syncs the consumer of a gradient with its producer). Nodes made on the default stream
+    run on the stream current when backward runs (the default one in the tests)."""
+
+    def __init__(self, sim: SimulatedCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        sim = self.sim
+        stream = sim._current()
+        if stream is sim.default_stream or not torch.is_grad_enabled() or sim.busy():
+            return out
+        for value in tree_flatten(out)[0]:
+            node = value.grad_fn if isinstance(value, torch.Tensor) else None
+            if node is not None and "acshim_sim_stream" not in node.metadata:
+                node.metadata["acshim_sim_stream"] = stream
+                node.register_prehook(functools.partial(_enter_node_stream, sim, stream))
+                node.register_hook(functools.partial(_leave_node_stream, sim, stream))
+        return out
+
+
+def _enter_node_stream(sim: SimulatedCuda, stream: SimStream, grad_outputs: Any) -> None:
+    stream.wait_stream(sim._current())
+    sim._stack().append(stream)
+
+
+def _leave_node_stream(sim: SimulatedCuda, stream: SimStream, grad_inputs: Any, grad_outputs: Any) -> None:
+    stack = sim._stack()
+    if stack and stack[-1] is stream:
+        stack.pop()
+    sim._current().wait_stream(stream)
 
 
 def _mutated(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -288,6 +288,7 @@ def test_a_kept_tensor_after_a_failed_write_is_tied_to_the_stream_backward_uses(
         gated.gate.set()
     got = torch.autograd.grad(loss, list(a.parameters()))  # backward reads the kept copies on this stream
     for g, e in zip(got, expected):
+        sim.record_stream(g, sim.current_stream())  # made on the side stream (its backward's), used here
         assert torch.equal(g, e)
     del loss
     _settled(sim)  # the fixture then fails on memory freed while this stream may still use it
@@ -384,3 +385,47 @@ def test_the_simulated_allocator_reuses_a_block_only_after_its_recorded_stream_i
         sim.empty(GROUP_BYTES)  # another stream's pool: a block of its own
     assert sim.reserved_bytes == 3 * GROUP_BYTES
     del second, fourth
+
+
+# ---------------------------------------- autograd nodes run on their forward op's stream (item 1)
+
+
+def test_a_reload_is_ordered_before_its_use_by_a_backward_node_on_a_side_stream(sim_cuda):
+    """torch runs a node's backward on the stream its forward op ran on: a tensor saved by an op on a
+    side stream is unpacked, and read, on that side stream, so the tier must order its reload before
+    that stream (the stream current at unpack), not before the stream backward was called on."""
+    sim, backend = sim_cuda
+    torch.manual_seed(0)
+    a = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(ROWS, WIDTH)
+    side = sim.Stream()
+
+    def forward():
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            h = a(x).sin().sin().sin()  # three saved tensors, their backward nodes on the side stream
+        current = sim.current_stream()
+        current.wait_stream(side)
+        sim.record_stream(h, current)
+        return (h * 2).sum()
+
+    with sim.unchecked():
+        expected = torch.autograd.grad(forward(), list(a.parameters()))
+    unpacked_on = []
+    wait = backend.wait
+
+    def recording_wait(ticket):
+        if ticket.source is not None:  # a copy in, waited for at unpack
+            unpacked_on.append(sim.current_stream())
+        return wait(ticket)
+
+    backend.wait = recording_wait
+    with offload("host", 0, min_bytes=0, backend=backend) as scope:
+        loss = forward()
+    got = torch.autograd.grad(loss, list(a.parameters()))
+    for g, e in zip(got, expected):
+        sim.record_stream(g, sim.current_stream())  # made on the side stream, used here
+        assert torch.equal(g, e)
+    assert scope.stats.fetched >= 3 and unpacked_on and all(s is side for s in unpacked_on), unpacked_on
+    del loss
+    _settled(sim)

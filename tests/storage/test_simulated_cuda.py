@@ -250,11 +250,13 @@ def test_deferred_copy_out_waits_for_the_stream_that_made_the_tensor(sim_cuda, s
         return (h * g).exp().tanh().sin().sum()
 
     s1, s2 = sim.Stream(), sim.Stream()
-    with sim.unchecked():  # without offload, backward reads what s1 and s2 made (torch: on their streams)
+    with sim.unchecked():  # the reference: plain CPU ops
         expected = torch.autograd.grad(forward(s1, s2), [*a.parameters(), *b.parameters()])
     with offload(storage, 2, disk_dir, min_bytes=0, backend=backend):
         loss = forward(s1, s2)
-    got = torch.autograd.grad(loss, [*a.parameters(), *b.parameters()])
+    got = torch.autograd.grad(loss, [*a.parameters(), *b.parameters()])  # a's and b's on s1 and s2
+    for grad in got:
+        sim.record_stream(grad, sim.current_stream())  # made on a side stream, used here
     _assert_equal(list(got), list(expected))
 
 

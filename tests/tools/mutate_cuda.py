@@ -43,6 +43,9 @@ SWAPS = {  # issue 27: a check replaced by its permissive value, a flag by 0
     "self.backend_override.handles(tensor)": "True",
     "HOST_REGISTER_PORTABLE)": "0)",
     "self.raise_write_errors(wait=wait)": "self.raise_write_errors(wait=True)",
+    # a reload ordered before the default stream, not the stream current at unpack (the stream the
+    # autograd node runs on: its forward op's, a side stream's in test_gpu_paths)
+    "current = self.runtime.current_stream(self.device)": "current = self.runtime.default_stream",
 }
 TARGETS = (TARGET, Path("backends/runtime.py"), Path("acshim/storage/session.py"))
 COPIED = ("acshim", "backends", "csrc", "compat_matrix", "tests", "benchmarks", "examples", "docs", "README.md",
