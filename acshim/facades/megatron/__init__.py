@@ -17,6 +17,7 @@ __version__ = "0.16.1+acshim"
 
 UPSTREAM_RANDOM = "megatron.core.tensor_parallel.random"
 FACADE_RANDOM = "acshim.facades.megatron.core.tensor_parallel.random"
+UPSTREAM_FINE_GRAINED = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 
 PATCHED_NAMES = (
     "checkpoint",
@@ -39,6 +40,9 @@ ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     # None without Transformer Engine: TransformerBlock then refuses cpu_offloading; acshim serves it
     ("megatron.core.transformer.transformer_block", "get_cpu_offload_context",
      "acshim.facades.megatron._offload.get_cpu_offload_context"),
+    # upstream's manager builds CUDA streams; acshim's puts each chunk's offloaded modules on the tier
+    (UPSTREAM_FINE_GRAINED, "FineGrainedActivationOffloadingInterface",
+     "acshim.facades.megatron._fine_grained.FineGrainedActivationOffloadingInterface"),
 ]
 
 __all__ = ["ACSHIM_PATCHES"]
