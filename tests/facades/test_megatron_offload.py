@@ -195,3 +195,20 @@ def test_invalid_offload_combinations_raise_upstreams_errors(results: dict, name
 def test_offload_modules_choices_are_pinned(results: dict) -> None:
     listed = results["cases"]["bogus_module"]["error"].split("Allowed modules are:")[1]
     assert {name.strip(" '{}.") for name in listed.split(",")} == OFFLOAD_MODULES
+
+
+def test_example_under_acshim_run_report_names_megatron_on_the_disk_tier_bitwise() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACSHIM_", "PYTEST_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29900 + os.getpid() % 90), ACSHIM_OFFLOAD_STORAGE="disk")
+    runs = {}
+    for flags in ((), ("--no-checkpointing",)):
+        done = subprocess.run([sys.executable, "-m", "acshim", "run", "--report", "examples/megatron_core_offload.py",
+                               *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[flags] = done
+    offloaded, plain = runs[()], runs[("--no-checkpointing",)]
+    assert offloaded.stdout.split("GRADS ")[-1] == plain.stdout.split("GRADS ")[-1]
+    # two steps of 8 norm inputs (64 x 2 x 64 fp32, 32 KiB each) on disk, named after the dialect
+    assert "disk   512.0 KiB moved" in offloaded.stderr and "by megatron" in offloaded.stderr
+    assert "by megatron" not in plain.stderr
