@@ -119,6 +119,10 @@ CASES = {
     "over_min_size": {"keys": _keys("attn_norm", "mlp_norm", min_size=SEQUENCE * BATCH * HIDDEN + 1)},
     "no_chunk": {"keys": _keys("attn_norm", "mlp_norm"), "chunk": False},
     "gpt_model_disk": {"keys": _keys("attn_norm", "mlp_norm"), "gpt": True},
+    "both_full_recompute": {"keys": {**_keys("attn_norm", "mlp_norm"), "recompute_granularity": "full",
+                                     "recompute_method": "uniform", "recompute_num_layers": 1}},
+    "both_selective_mlp": {"keys": {**_keys("attn_norm", "mlp_norm"), "recompute_granularity": "selective",
+                                    "recompute_modules": ["mlp"]}},
     "bogus_module": {"keys": _keys("bogus")},
     "empty_modules": {"keys": _keys()},
     "attn_proj_alone": {"keys": _keys("attn_proj")},
@@ -180,6 +184,12 @@ def test_upstreams_chunk_rule_size_floor_and_opt_out_are_kept(results: dict) -> 
     assert floor["groups"] == both["groups"] and floor["moved"] == 0  # numel < min_offloaded_tensor_size stays
     marked = _ok(results, "both_input_marked")  # the first layer's norm input is the marked block input
     assert marked["moved"] == both["moved"] - INPUT_BYTES
+
+
+@pytest.mark.parametrize("name", ["both_full_recompute", "both_selective_mlp"])
+def test_offload_modules_compose_with_recompute_bitwise(results: dict, name: str) -> None:
+    case = _ok(results, name)
+    assert case["moved"] > 0  # the listed norms still go to the tier (under full recompute, in its recompute)
 
 
 @pytest.mark.parametrize("name, error", [

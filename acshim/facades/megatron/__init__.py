@@ -6,7 +6,8 @@ With megatron-core installed, ``acshim.install()`` / ``acshim run`` replace the 
 ``TransformerConfig``'s recompute keys keep upstream's own validation and layer choice
 (``TransformerBlock._checkpointed_forward``, ``TransformerLayer``'s ``recompute_modules``) while each
 ``tensor_parallel.checkpoint`` runs as one reentrant engine region and every RNG stream lives in
-acshim's device-generic tracker. Without megatron-core, ``import megatron.core.tensor_parallel``
+acshim's device-generic tracker; ``cpu_offloading`` and ``fine_grained_activation_offloading``
+(``_offload``, ``_fine_grained``) send activations to acshim's storage tier. Without megatron-core, ``import megatron.core.tensor_parallel``
 is served from here (checkpoint and RNG names only; no model code).
 """
 
