@@ -41,12 +41,15 @@ UPSTREAM_NOT_BITWISE: dict[str, str] = {
 # run where that package is installed (the ``megatron`` and ``lightning`` extras).
 NEEDS_PACKAGE: dict[str, str] = {
     "megatron_core_recompute": "megatron.core",
+    "megatron_core_offload": "megatron.core",
     "lightning_fsdp_activation_checkpointing": "lightning",
 }
 
 # Examples whose plain-upstream run cannot happen on CPU, and why.
 UPSTREAM_NEEDS_GPU: dict[str, str] = {
     "megatron_core_recompute": "megatron-core's model_parallel_cuda_manual_seed reads torch.cuda",
+    "megatron_core_offload": "megatron-core's model_parallel_cuda_manual_seed reads torch.cuda; its offloader "
+    "builds CUDA streams",
 }
 
 # Examples whose plain-upstream run fails on this CPU-only machine, and the error upstream gives.

@@ -6,7 +6,8 @@ With megatron-core installed, ``acshim.install()`` / ``acshim run`` replace the 
 ``TransformerConfig``'s recompute keys keep upstream's own validation and layer choice
 (``TransformerBlock._checkpointed_forward``, ``TransformerLayer``'s ``recompute_modules``) while each
 ``tensor_parallel.checkpoint`` runs as one reentrant engine region and every RNG stream lives in
-acshim's device-generic tracker. Without megatron-core, ``import megatron.core.tensor_parallel``
+acshim's device-generic tracker; ``cpu_offloading`` and ``fine_grained_activation_offloading``
+(``_offload``, ``_fine_grained``) send activations to acshim's storage tier. Without megatron-core, ``import megatron.core.tensor_parallel``
 is served from here (checkpoint and RNG names only; no model code).
 """
 
@@ -17,6 +18,7 @@ __version__ = "0.16.1+acshim"
 
 UPSTREAM_RANDOM = "megatron.core.tensor_parallel.random"
 FACADE_RANDOM = "acshim.facades.megatron.core.tensor_parallel.random"
+UPSTREAM_FINE_GRAINED = "megatron.core.pipeline_parallel.fine_grained_activation_offload"
 
 PATCHED_NAMES = (
     "checkpoint",
@@ -39,6 +41,9 @@ ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     # None without Transformer Engine: TransformerBlock then refuses cpu_offloading; acshim serves it
     ("megatron.core.transformer.transformer_block", "get_cpu_offload_context",
      "acshim.facades.megatron._offload.get_cpu_offload_context"),
+    # upstream's manager builds CUDA streams; acshim's puts each chunk's offloaded modules on the tier
+    (UPSTREAM_FINE_GRAINED, "FineGrainedActivationOffloadingInterface",
+     "acshim.facades.megatron._fine_grained.FineGrainedActivationOffloadingInterface"),
 ]
 
 __all__ = ["ACSHIM_PATCHES"]

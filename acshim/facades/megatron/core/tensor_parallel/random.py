@@ -11,8 +11,10 @@ differences:
   Engine is absent); ``use_cudagraphable_rng=True`` raises (graph-safe generator states are not
   served);
 - ``checkpoint(..., distribute_saved_activations=True)`` with more than one tensor-parallel rank
-  raises ``NotImplementedError`` rather than splitting the input (not yet served); with one rank it
-  keeps the whole input, as upstream's one-chunk split does.
+  keeps this rank's 1/TP of the first input on acshim's partition engine (``acshim.partition``) and
+  empties the caller's tensor until backward gathers it (upstream leaves the rank's flat chunk in
+  it); an input whose size does not split evenly raises ``ValueError`` (upstream truncates and then
+  fails to reshape). With one rank the whole input is kept, as upstream's one-chunk split does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch
 from acshim import rng as _rng
 from acshim.discard import DiscardedOutputRegion
 from acshim.options import RegionOptions
+from acshim.partition import PartitionedInputs
 from acshim.region import run_region
+from acshim.state import state as engine_state
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -211,16 +215,39 @@ def _tensor_parallel_world_size() -> int:
     return _parallel_rank("get_tensor_model_parallel_world_size") or 1
 
 
+def _distributed_first_input(args: tuple[Any, ...]) -> PartitionedInputs | None:
+    """The engine's partition scope keeping this tensor-parallel rank's 1/TP of ``args[0]`` (upstream:
+    ``split_tensor_into_1d_equal_chunks`` in forward, ``gather_split_1d_tensor`` before the
+    recompute), or None with one rank (upstream's one-chunk split keeps the whole input)."""
+    size = _tensor_parallel_world_size()
+    if size == 1 or not torch.is_grad_enabled() or engine_state.is_checkpointing_disabled:
+        return None
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor):
+        raise TypeError("megatron checkpoint(distribute_saved_activations=True): the first argument must be the "
+                        f"tensor to split across tensor-parallel ranks, got {type(first).__name__}")
+    if first.numel() % size:
+        raise ValueError(f"megatron checkpoint(distribute_saved_activations=True): the first input has "
+                         f"{first.numel()} elements, not divisible by the tensor-parallel size {size}; "
+                         "set TransformerConfig(distribute_saved_activations=False) or change the shape")
+    parallel_state = sys.modules["megatron.core.parallel_state"]
+    return PartitionedInputs([first], parallel_state.get_tensor_model_parallel_rank(), size,
+                             parallel_state.get_tensor_model_parallel_group())
+
+
 def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
     """Recompute ``function(*args)`` in backward (upstream: ``CheckpointFunction``, reentrant), with
     the CPU, accelerator and tracker RNG states of the forward. Raises upstream's RuntimeError when
-    ``torch.autograd.grad`` reaches it."""
-    if distribute_saved_activations and _tensor_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "megatron checkpoint(distribute_saved_activations=True) with tensor-parallel size > 1 is not yet "
-            "served by acshim; set TransformerConfig(distribute_saved_activations=False) or run without acshim")
+    ``torch.autograd.grad`` reaches it. ``distribute_saved_activations`` with more than one
+    tensor-parallel rank: each rank keeps 1/TP of ``args[0]`` (flat, upstream's layout) and the
+    group all-gathers it before the recompute."""
     options = RegionOptions(reentrant=True, preserve_rng_state=True, grad_error_message=GRAD_ERROR)
-    return run_region(function, args, None, options)
+    partition = _distributed_first_input(args) if distribute_saved_activations else None
+    if partition is None:
+        return run_region(function, args, None, options)
+    output = run_region(function, args, None, options.replace(saved_tensors_scope=partition))
+    partition.hollow()  # upstream replaces the caller's input data by its chunk until backward
+    return output
 
 
 def _in_graph_warmup() -> bool:
