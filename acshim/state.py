@@ -18,6 +18,8 @@ class _CheckpointingState(threading.local):
     is_checkpointing: bool = False
     is_recomputing: bool = False
     is_checkpointing_disabled: bool = False
+    offload_opt_outs: int = 0
+    """How many ``acshim.storage.no_offload()`` blocks are open on this thread."""
 
 
 state = _CheckpointingState()

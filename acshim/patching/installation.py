@@ -142,6 +142,19 @@ def uninstall() -> None:
     from ..storage import unwind  # the storage tier's wrapper of torch's backward entry, if it put one
 
     unwind.restore()
+    _reset_observers()
+
+
+def _reset_observers() -> None:
+    """The process-wide observers go with the patches: ``acshim run --report``'s recorder, the offload
+    sessions' observers, and the facades' diagnostics watchers (their patches undone)."""
+    from ..diagnostics import DIAGNOSTICS
+    from ..region import STATS
+    from ..storage.observers import SESSION_OBSERVERS
+
+    STATS.recorder = None
+    SESSION_OBSERVERS.clear()
+    DIAGNOSTICS.reset()
 
 
 def is_installed() -> bool:

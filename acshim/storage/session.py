@@ -23,14 +23,14 @@ import torch
 
 from ..backends import Backend, TransferFailed, backend_for
 from ..backends.base import Ticket, Tier
+from ..state import state
 from . import unwind
 from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes, view_layout
+from .observers import SESSION_OBSERVERS
 from .reaper import REAPER
 from .scheduler import PrefetchScheduler
 from .versions import modified_error, version_probe
-
-_opt_out = threading.local()
 
 DEFAULT_BYTES_IN_FLIGHT = 256 << 20
 """Back-pressure: when the tier is slower than forward, at most this many bytes wait to be copied
@@ -40,7 +40,7 @@ out (still held where they were) before forward waits for the oldest copy. A tie
 
 def opted_out() -> bool:
     """True inside ``no_offload()`` on this thread."""
-    return getattr(_opt_out, "depth", 0) > 0
+    return state.offload_opt_outs > 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class OffloadSession:
         entries are pruned here instead, amortized."""
         self._prune_handles_at = self.PRUNE_SEEN_AT
         unwind.ensure_installed()
-        _notify_recorders(self)
+        SESSION_OBSERVERS.notify(self)
 
     # ---------------------------------------------------------------------------------- forward
 
@@ -454,13 +454,3 @@ def _io_error(action: str, nbytes: int, count: int, tier: Tier, error: OSError) 
     return OffloadIOError(error.errno, f"acshim offload: {action} a saved tensor of {nbytes} bytes{more} {preposition} {place} "
                           f"failed: {error.strerror or error}. The tensor is kept in memory, nothing computed is "
                           f"lost; {hint}.")
-
-
-# ------------------------------------------------------------------------------------- recording
-
-_recorders: list[list[OffloadSession]] = []
-
-
-def _notify_recorders(session: OffloadSession) -> None:
-    for sessions in _recorders:
-        sessions.append(session)
