@@ -18,8 +18,8 @@ from .disk import DiskTier, check_directory
 from .errors import OffloadIOError
 from .host import HostTier
 from .observers import SESSION_OBSERVERS
+from .offload_session import OffloadSession, OffloadStats
 from .residents import BUFFERS
-from .session import OffloadSession, OffloadStats
 from .versions import keep, unpack_kept
 
 

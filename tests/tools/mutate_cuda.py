@@ -44,7 +44,7 @@ SWAPS = {  # issue 27: a check replaced by its permissive value, a flag by 0
     "HOST_REGISTER_PORTABLE)": "0)",
     "self.raise_write_errors(wait=wait)": "self.raise_write_errors(wait=True)",
 }
-TARGETS = (TARGET, Path("backends/runtime.py"), Path("acshim/storage/session.py"))
+TARGETS = (TARGET, Path("backends/runtime.py"), Path("acshim/storage/offload_session.py"))
 COPIED = ("acshim", "backends", "csrc", "compat_matrix", "tests", "benchmarks", "examples", "docs", "README.md",
           "setup.py", "pyproject.toml")
 
