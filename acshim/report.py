@@ -54,7 +54,7 @@ class RegionRecorder:
 
     # ---------------------------------------------------------------------------------- events
     def call(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: Any) -> None:
-        entry = self._entry(function, create=True)
+        entry = self._entry(function, create=True, dialect=getattr(options, "dialect", None))
         assert entry is not None
         self.current = entry
         entry.held = max(entry.held, _input_bytes(args, kwargs))
@@ -88,7 +88,7 @@ class RegionRecorder:
 
     session_started = offload_started
 
-    def _entry(self, function: Callable[..., Any], *, create: bool) -> RegionEntry | None:
+    def _entry(self, function: Callable[..., Any], *, create: bool, dialect: str | None = None) -> RegionEntry | None:
         owner, key = _identity(function)
         entry = self.entries.get(key)
         if entry is None and create:
@@ -97,8 +97,9 @@ class RegionRecorder:
             label = type(owner).__name__ if owner is not None else _short_qualname(_unwrapped(function))
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
-            # a facade that made the region marks its module (acshim_dialect); else who called it
-            dialect = getattr(owner, "acshim_dialect", None) or _dialect_of_caller()
+            # a facade that made the region marks its module (acshim_dialect) or names itself in the
+            # region's options (RegionOptions.dialect); else who called it
+            dialect = getattr(owner, "acshim_dialect", None) or dialect or _dialect_of_caller()
             entry = self.entries[key] = RegionEntry(f"{label}#{count}", dialect)
         return entry
 
