@@ -163,19 +163,21 @@ class RegionRecorder:
 
 
 def start() -> RegionRecorder:
-    """Install a recorder (idempotent) and return it: region calls, offload sessions, and the
-    facades' diagnostics watchers (``Dialect.diagnostics``) started."""
+    """Install a recorder (idempotent) and return it, hooked up to the storage tier's session
+    observers and with the facades' diagnostics watchers (``Dialect.diagnostics``) started; after
+    ``acshim.uninstall()`` (which undoes those two) a second call hooks the same recorder up again."""
     from .patching.dialects import DIALECTS
     from .region import STATS
     from .storage.observers import SESSION_OBSERVERS
 
     if STATS.recorder is None:
         STATS.recorder = RegionRecorder()
+    if STATS.recorder.offload_started not in SESSION_OBSERVERS:
         SESSION_OBSERVERS.add(STATS.recorder.offload_started)
-        for dialect in DIALECTS:
-            if dialect.diagnostics is not None:
-                importlib.import_module(dialect.diagnostics)
-        DIAGNOSTICS.watch()
+    for dialect in DIALECTS:
+        if dialect.diagnostics is not None:
+            importlib.import_module(dialect.diagnostics)
+    DIAGNOSTICS.watch()
     return STATS.recorder
 
 

@@ -146,13 +146,13 @@ def uninstall() -> None:
 
 
 def _reset_observers() -> None:
-    """The process-wide observers go with the patches: ``acshim run --report``'s recorder, the offload
-    sessions' observers, and the facades' diagnostics watchers (their patches undone)."""
+    """The process-wide observers go with the patches: the offload sessions' observers (the report's,
+    ``recording()``'s) and the facades' diagnostics watchers, their patches undone (DeepSpeed's
+    ``initialize`` back). The report's recorder is region state, like the counts ``acshim run``
+    prints at exit: ``acshim.report.stop()`` drops it, ``start()`` hooks it up again."""
     from ..diagnostics import DIAGNOSTICS
-    from ..region import STATS
     from ..storage.observers import SESSION_OBSERVERS
 
-    STATS.recorder = None
     SESSION_OBSERVERS.clear()
     DIAGNOSTICS.reset()
 

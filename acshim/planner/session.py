@@ -85,8 +85,6 @@ METHOD = ("measured on the script's first step under a guard on the process's me
           "each region saves, the rest of the model ran alone (regions replayed), kept and offloaded, each distinct "
           "region ran alone per choice (least memory first), one step verified the plan")
 
-_dialect_of_caller = dialect_of_caller  # acshim.report's name for it
-
 
 class PlanExit(BaseException):
     """Ends the script from inside its first step: ``code`` 0 after ``acshim plan``, 2 on bad input

@@ -41,6 +41,10 @@ class SessionObservers:
         for callback in callbacks:
             callback(session)
 
+    def __contains__(self, callback: object) -> bool:
+        with self._lock:
+            return callback in self._callbacks
+
     def clear(self) -> None:
         """Forget every callback."""
         with self._lock:

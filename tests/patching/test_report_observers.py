@@ -31,7 +31,7 @@ def fake_deepspeed(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module.initialize = initialize  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "deepspeed", module)
     yield module
-    uninstall()
+    report.stop()
 
 
 def test_report_start_is_undone_by_uninstall(fake_deepspeed: types.ModuleType) -> None:
@@ -42,8 +42,13 @@ def test_report_start_is_undone_by_uninstall(fake_deepspeed: types.ModuleType) -
     assert fake_deepspeed.initialize is not original  # watched: DeepSpeed's config block is noted
     assert fake_deepspeed.initialize(config={"activation_checkpointing": {}}) == "engine"
     uninstall()
-    assert STATS.recorder is None and len(SESSION_OBSERVERS) == 0 and not DIAGNOSTICS.watching
+    assert len(SESSION_OBSERVERS) == 0 and not DIAGNOSTICS.watching
     assert fake_deepspeed.initialize is original
+    assert STATS.recorder is recorder  # region state, like the counts: report.stop() drops it
+    assert report.start() is recorder and len(SESSION_OBSERVERS) == 1  # hooked up again
+    assert fake_deepspeed.initialize is not original
+    report.stop()
+    assert STATS.recorder is None and fake_deepspeed.initialize is original
 
 
 def test_report_stop_undoes_start(fake_deepspeed: types.ModuleType) -> None:
@@ -61,11 +66,12 @@ def test_recorder_sees_offload_sessions_until_uninstall() -> None:
             torch.ones(4, requires_grad=True).exp().sum().backward()
         assert [session.storage for session, _ in recorder.offloads] == ["host"]
         assert recorder.sessions is recorder.offloads  # the former name
-    finally:
         uninstall()
-    with offload("host", min_bytes=0):
-        torch.ones(4, requires_grad=True).exp().sum().backward()
-    assert len(recorder.offloads) == 1
+        with offload("host", min_bytes=0):
+            torch.ones(4, requires_grad=True).exp().sum().backward()
+        assert len(recorder.offloads) == 1  # uninstall() unhooked it from the storage tier
+    finally:
+        report.stop()
 
 
 def test_diagnostics_notes_come_from_registered_checks() -> None:
