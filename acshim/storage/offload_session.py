@@ -23,13 +23,13 @@ import torch
 
 from ..backends import Backend, TransferFailed, backend_for
 from ..backends.base import Ticket, Tier
-from ..state import state
 from . import unwind
 from .errors import OffloadIOError
 from .layout import Layout, from_bytes, movable, to_bytes, view_layout
 from .observers import SESSION_OBSERVERS
 from .reaper import REAPER
 from .scheduler import PrefetchScheduler
+from .thread_state import THREAD_STATE
 from .versions import modified_error, version_probe
 
 DEFAULT_BYTES_IN_FLIGHT = 256 << 20
@@ -40,7 +40,7 @@ out (still held where they were) before forward waits for the oldest copy. A tie
 
 def opted_out() -> bool:
     """True inside ``no_offload()`` on this thread."""
-    return state.offload_opt_outs > 0
+    return THREAD_STATE.offload_opt_outs > 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from typing import Any
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..backends import Backend
-from ..state import state
 from . import native
 from .defaults import check_directory_argument, check_flag, get_defaults, validate
 from .disk import DiskTier, check_directory
@@ -20,6 +19,7 @@ from .host import HostTier
 from .observers import SESSION_OBSERVERS
 from .offload_session import OffloadSession, OffloadStats
 from .residents import BUFFERS
+from .thread_state import THREAD_STATE
 from .versions import keep, unpack_kept
 
 
@@ -181,13 +181,13 @@ class no_offload:
         self._hooks = saved_tensors_hooks(keep, unpack_kept)  # torch's in-place check, kept
 
     def __enter__(self) -> no_offload:
-        state.offload_opt_outs += 1
+        THREAD_STATE.offload_opt_outs += 1
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._hooks.__exit__(*exc_info)
-        state.offload_opt_outs -= 1
+        THREAD_STATE.offload_opt_outs -= 1
 
 
 class _RegionScope:
