@@ -219,8 +219,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
         raise NotImplementedError(
             "megatron checkpoint(distribute_saved_activations=True) with tensor-parallel size > 1 is not yet "
             "served by acshim; set TransformerConfig(distribute_saved_activations=False) or run without acshim")
-    options = RegionOptions(reentrant=True, preserve_rng_state=True, grad_error_message=GRAD_ERROR,
-                            dialect="megatron")
+    options = RegionOptions(reentrant=True, preserve_rng_state=True, grad_error_message=GRAD_ERROR)
     return run_region(function, args, None, options)
 
 
