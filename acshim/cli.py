@@ -25,42 +25,10 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-RUN_USAGE = ("acshim run [--hf] [--children] [--budget B [--plan-file F] [--png f.png]] [--report] "
-             "(script.py | -m module | [--] launcher) [args...]")
-PLAN_USAGE = ("acshim plan --budget B [--sweep] [--png out.png] [--storage host|disk] [--plan-file F] [--] "
-              "(script.py | -m module) [args...]")
-RUN_HELP = f"""usage: {RUN_USAGE}
+from .cli_flags import HELP, RunFlags, help_text, parse_run_flags, usage
 
-Run a training script written for DeepSpeed, FairScale, SageMaker model parallelism, PyTorch's
-checkpoint_wrapper, Modalities or Hugging Face on acshim, unchanged: as `python script.py args`
-would (same sys.argv, __main__, sys.path[0], exit code and traceback), with acshim.install() done.
-
-options (before the script; everything after it goes to the script):
-  --hf        also checkpoint every Hugging Face model automatically (acshim.patch_transformers())
-  --children  patch child Python processes too (torchrun workers, multiprocessing spawn);
-              same as ACSHIM_PATCH_CHILDREN=1 in the environment. Off by default.
-  --budget B  plan instead of the script's recipe: B is the memory the process may hold above what
-              it held when a step started (parameters, gradients), for the whole run, planning
-              included: in bytes or with a unit (2GiB, 800MB) or a fraction of the peak activation
-              memory without checkpointing (0.3). The script's own checkpoint calls (any dialect)
-              become regions the plan decides about (keep / selective / recompute / offload),
-              planned on its first step; one line on stderr says what was replaced. See docs/cli.md.
-  --storage T offload tier for --budget plans: host or disk (default: disk on CPU, host on GPU)
-  --plan-file F  with --budget: reuse the plan saved in F (same model, batch shape and budget) without
-              profiling; F is written by the run that plans when it does not exist
-  --png FILE  with --budget: once planned, draw one step's activation memory block by block (no
-              checkpointing, full recompute, the plan, the budget) beside the frontier to FILE
-              (needs matplotlib: pip install 'acshim[plot]')
-  --report    at exit, print per region and per dialect forwards, recomputes, bytes held, bytes
-              offloaded per tier, prefetch hits and waits, and settings that silently do nothing
-  -m module   run a module as `python -m module` does
-  -h, --help  show this help
-
-launchers: when the first argument is not a file but an executable on PATH (torchrun, accelerate,
-deepspeed, python ...), or a path to an executable that is not Python source (/venv/bin/python, a
-shell wrapper), it runs as a launcher with child patching on, so every Python rank it starts has
-the patches:  acshim run -- torchrun --nproc-per-node 2 train.py
-"""
+RUN_USAGE = usage("run")
+PLAN_USAGE = usage("plan")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,179 +82,154 @@ def _parser() -> argparse.ArgumentParser:
 # run
 
 
-_VALUE_OPTIONS = ("--budget", "--storage", "--png", "--plan-file")
+def _usage_error(verb: str, message: str) -> int:
+    print(f"usage: {usage(verb)}\n{message}", file=sys.stderr)
+    return 2
 
 
-def _parse_run(argv: list[str], verb: str = "run", allowed: tuple[str, ...] = ("--hf", "--children", "--report"),
-               values: tuple[str, ...] = _VALUE_OPTIONS
-               ) -> tuple[dict[str, Any], str | None, str | None, list[str]] | str:
-    """Options up to the script (or ``-m module``); the rest belongs to the script untouched."""
-    flags: dict[str, Any] = {"hf": False, "children": False}  # the others only when given
-    index = 0
-    while index < len(argv):
-        arg = argv[index]
-        if arg in ("-h", "--help"):
-            return "help"
-        name, equals, inline = arg.partition("=")
-        if name in values:
-            value = inline if equals else (argv[index + 1] if index + 1 < len(argv) else None)
-            if not value:
-                return f"acshim {verb}: argument {name}: expected a value"
-            flags[name[2:].replace("-", "_")] = value
-            index += 1 if equals else 2
-            continue
-        if arg in allowed:
-            flags[arg[2:]] = True
-        elif arg == "-m" or (arg.startswith("-m") and len(arg) > 2):
-            module = arg[2:] or (argv[index + 1] if index + 1 < len(argv) else "")
-            if not module:
-                return f"acshim {verb}: argument -m: expected a module name"
-            rest = argv[index + (1 if arg[2:] else 2):]
-            return flags, None, module, rest
-        elif arg == "--":
-            index += 1
-            break
-        elif arg.startswith("-"):
-            return f"acshim {verb}: unknown option {arg!r} (options go before the script; see acshim {verb} --help)"
-        else:
-            break
-        index += 1
-    if index >= len(argv):
-        return f"acshim {verb}: the script to run is missing"
-    return flags, argv[index], None, argv[index + 1:]
+def _read_flags(verb: str, argv: Sequence[str]) -> RunFlags | int:
+    """The verb's flags, or the exit code after printing the help (0) or a usage error (2)."""
+    parsed = parse_run_flags(argv, verb)
+    if parsed == HELP:
+        print(help_text(verb), end="")
+        return 0
+    if isinstance(parsed, str):
+        return _usage_error(verb, parsed)
+    return parsed
 
 
 def run_command(argv: list[str], script_prefix: Sequence[str] = ()) -> int:
     """``acshim run``: exit code 0, the script's own ``SystemExit`` code, 1 on an uncaught
     exception (traceback printed as python prints it), 2 on a usage error or missing script.
     ``script_prefix``: arguments the script gets before its own (a launcher's ``--local_rank=N``)."""
-    parsed = _parse_run(argv)
-    if parsed == "help":
-        print(RUN_HELP, end="")
-        return 0
-    if isinstance(parsed, str):
-        print(f"usage: {RUN_USAGE}\n{parsed}", file=sys.stderr)
-        return 2
-    flags, script, module, args = parsed
-    args = [*script_prefix, *args]
-    launcher = _launcher_path(script)
+    flags = _read_flags("run", argv)
+    if isinstance(flags, int):
+        return flags
+    flags.args = [*script_prefix, *flags.args]
+    launcher = _launcher_path(flags.script)
     if launcher is not None:
-        if flags.get("budget") is not None or flags.get("report"):
-            print(f"usage: {RUN_USAGE}\nacshim run: --budget and --report apply to a script run in this process, "
-                  "not behind a launcher; put the launcher around acshim instead, so every rank plans with the "
-                  "others: torchrun --nproc-per-node N -m acshim run --budget B train.py", file=sys.stderr)
-            return 2
-        return run_launcher(launcher, [script, *args], hf=flags["hf"])
-    return _run_in_process("run", flags, script, module, args)
-
-
-PLAN_HELP = f"""usage: {PLAN_USAGE}
-
-Run a few steps of a training script (any dialect, unchanged) with acshim's patches installed, plan
-its checkpoint calls under a peak activation-memory budget on its first step, print the plan table
-and exit without training on.
-
-options (before the script; everything after it goes to the script):
-  --budget B     bytes, a size (2GiB, 800MB) or a fraction of the memory without checkpointing (0.3)
-  --sweep        also print the memory vs step-time frontier (10 budgets) and uniform recipes
-  --png FILE     draw one step's activation memory block by block (no checkpointing, full recompute, the
-                 plan, the budget) beside the frontier to FILE (implies --sweep; needs matplotlib:
-                 pip install 'acshim[plot]')
-  --storage T    offload tier: host or disk (default: disk on CPU, host on GPU)
-  --plan-file F  save the plan to F (or print the one F holds, if made for this model, batch and budget)
-  --hf           also checkpoint every Hugging Face model automatically
-  -m module      plan for a module run as `python -m module`
-"""
+        if flags.budget is not None or flags.report:
+            return _usage_error("run", "acshim run: --budget and --report apply to a script run in this process, "
+                                "not behind a launcher; put the launcher around acshim instead, so every rank plans "
+                                "with the others: torchrun --nproc-per-node N -m acshim run --budget B train.py")
+        return run_launcher(launcher, [flags.script, *flags.args], hf=flags.hf)
+    return _run_in_process(flags)
 
 
 def plan_command(argv: list[str]) -> int:
     """``acshim plan``: the plan for a script's first step, printed; 0, or 2 on bad input."""
-    parsed = _parse_run(argv, "plan", allowed=("--hf", "--sweep"), values=_VALUE_OPTIONS)
-    if parsed == "help":
-        print(PLAN_HELP, end="")
-        return 0
-    if isinstance(parsed, str):
-        print(f"usage: {PLAN_USAGE}\n{parsed}", file=sys.stderr)
-        return 2
-    flags, script, module, args = parsed
-    if flags.get("budget") is None:
-        print(f"usage: {PLAN_USAGE}\nacshim plan: argument --budget is required (e.g. --budget 2GiB, or --budget 0.3 "
-              "for 30% of the activation memory without checkpointing)", file=sys.stderr)
-        return 2
-    if flags.get("png") is not None:
-        flags["sweep"] = True
-    return _run_in_process("plan", flags, script, module, args)
+    flags = _read_flags("plan", argv)
+    if isinstance(flags, int):
+        return flags
+    if flags.budget is None:
+        return _usage_error("plan", "acshim plan: argument --budget is required (e.g. --budget 2GiB, or --budget 0.3 "
+                            "for 30% of the activation memory without checkpointing)")
+    if flags.png is not None:
+        flags.sweep = True
+    return _run_in_process(flags)
 
 
-def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module: str | None, args: list[str]) -> int:
-    if script is not None and not os.path.exists(script):
-        print(f"acshim {verb}: can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory",
-              file=sys.stderr)
-        return 2
-    session = None
-    if flags.get("storage") is not None and flags.get("budget") is None:
-        print(f"acshim {verb}: --storage chooses the offload tier of a --budget plan; add --budget", file=sys.stderr)
-        return 2
-    if flags.get("plan_file") is not None and flags.get("budget") is None:
-        print(f"acshim {verb}: --plan-file saves or reuses a --budget plan; add --budget", file=sys.stderr)
-        return 2
-    if flags.get("png") is not None and flags.get("budget") is None:
-        print(f"acshim {verb}: --png draws a --budget plan's memory (no checkpointing, full recompute, the plan); "
-              "add --budget", file=sys.stderr)
-        return 2
-    if flags.get("storage") not in (None, "host", "disk"):
-        print(f"acshim {verb}: argument --storage: expected host or disk, got {flags.get('storage')!r}", file=sys.stderr)
-        return 2
-    if flags.get("budget") is not None:
-        from .allocator import own
-        from .planner.session import PlanSession, _check_budget
-
-        own()  # already done before torch was imported, unless main() was called from Python
+def _flag_problem(flags: RunFlags) -> str | None:
+    """What is wrong with ``flags`` before anything runs (a missing script, an option that needs
+    ``--budget``, a bad value), or None."""
+    verb = flags.verb
+    if flags.script is not None and not os.path.exists(flags.script):
+        return f"acshim {verb}: can't open file {os.path.abspath(flags.script)!r}: [Errno 2] No such file or directory"
+    if flags.budget is None:
+        needs_budget = {"storage": "--storage chooses the offload tier of a --budget plan",
+                        "plan_file": "--plan-file saves or reuses a --budget plan",
+                        "png": "--png draws a --budget plan's memory (no checkpointing, full recompute, the plan)"}
+        for dest, what in needs_budget.items():
+            if getattr(flags, dest) is not None:
+                return f"acshim {verb}: {what}; add --budget"
+    if flags.storage not in (None, "host", "disk"):
+        return f"acshim {verb}: argument --storage: expected host or disk, got {flags.storage!r}"
+    if flags.budget is not None:
+        from .planner.session import check_budget
 
         try:
-            _check_budget(flags.get("budget"))
+            check_budget(flags.budget)
         except ValueError as error:
-            print(f"acshim {verb}: argument {error}", file=sys.stderr)
-            return 2
-        session = PlanSession(flags.get("budget"), storage=flags.get("storage"), exit_after_plan=verb == "plan",
-                              sweep=flags.get("sweep"), png=flags.get("png"), plan_file=flags.get("plan_file"))
+            return f"acshim {verb}: argument {error}"
+    return None
 
+
+def _plan_session(flags: RunFlags) -> Any:
+    """The ``--budget`` planner session (not started yet), or None without ``--budget``."""
+    if flags.budget is None:
+        return None
+    from .allocator import own
+    from .planner.session import PlanSession
+
+    own()  # already done before torch was imported, unless main() was called from Python
+    return PlanSession(flags.budget, storage=flags.storage, exit_after_plan=flags.verb == "plan",
+                       sweep=flags.sweep, png=flags.png, plan_file=flags.plan_file)
+
+
+def _install_patches(flags: RunFlags) -> str | None:
+    """``acshim.install()`` (child processes too where asked), and the report at exit; the error
+    message when the patches could not be installed."""
     from .patching import PatchError, install
     from .patching.children import children_requested, enable_children
-    from .patching.runner import (
-        module_found,
-        record_rank_error,
-        report_regions_at_exit,
-        run_module,
-        run_script,
-        script_traceback,
-    )
+    from .patching.runner import report_regions_at_exit
 
-    if flags.get("children") or children_requested():
-        enable_children(hf=flags["hf"])
+    if flags.children or children_requested():
+        enable_children(hf=flags.hf)
     try:
-        install(hf=flags["hf"])
+        install(hf=flags.hf)
     except (PatchError, ImportError) as error:
-        print(f"acshim {verb}: could not install the patches (nothing was changed): {error}", file=sys.stderr)
+        return f"acshim {flags.verb}: could not install the patches (nothing was changed): {error}"
+    render = None
+    if flags.report:
+        from .report import start
+
+        render = start().render
+    report_regions_at_exit(detailed=render)
+    return None
+
+
+def _run_in_process(flags: RunFlags) -> int:
+    """Run the script (or module) here, as python would, with the patches, the plan and the report
+    ``flags`` ask for; the exit code."""
+    verb = flags.verb
+    problem = _flag_problem(flags)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    session = _plan_session(flags)
+    problem = _install_patches(flags)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 1
-    report_regions_at_exit(detailed=flags.get("report"))
-    if module is not None and not module_found(module):
-        print(f"acshim {verb}: No module named {module}", file=sys.stderr)
+    from .patching.runner import module_found
+
+    if flags.module is not None and not module_found(flags.module):
+        print(f"acshim {verb}: No module named {flags.module}", file=sys.stderr)
         return 1
+    code = _run_target(flags, session)
+    if code is not None:
+        return code
+    return _end_of_plan(flags, session)
+
+
+def _run_target(flags: RunFlags, session: Any) -> int | None:
+    """Run the script or module, torch's checkpoint rerouted while a plan or report watches; the exit
+    code of a run that ends here (a failure, the plan's own exit), or None when the script ended well."""
+    from .patching.runner import record_rank_error, run_module, run_script, script_traceback
     from .planner.session import PlanExit
 
     routed = False
-    if session is not None or flags.get("report"):
+    if session is not None or flags.report:
         from .patching.torch_route import route_torch_checkpoint
 
         routed = route_torch_checkpoint()  # the plan and the report see torch.utils.checkpoint calls too
     if session is not None:
         session.start()
     try:
-        if module is not None:
-            run_module(module, args)
+        if flags.module is not None:
+            run_module(flags.module, flags.args)
         else:
-            run_script(script, args)
+            run_script(flags.script, flags.args)
     except PlanExit as done:
         return _plan_exit(done)
     except SystemExit as exiting:
@@ -297,26 +240,33 @@ def _run_in_process(verb: str, flags: dict[str, Any], script: str | None, module
     except KeyboardInterrupt:
         raise
     except BaseException as error:
-        filename = os.path.abspath(script) if script is not None else None
+        filename = os.path.abspath(flags.script) if flags.script is not None else None
         trimmed = script_traceback(error, filename)
         sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         record_rank_error(error)  # after with_traceback: torchrun's summary shows the trimmed one
         return 1
     finally:
-        if session is not None and verb == "plan":
+        if session is not None and flags.verb == "plan":
             session.stop()
         if routed:
             from .patching.torch_route import unroute_torch_checkpoint
 
             unroute_torch_checkpoint()
-    if session is not None and session.mode == "idle":
+    return None
+
+
+def _end_of_plan(flags: RunFlags, session: Any) -> int:
+    """After a script that ended well: an error when ``--budget`` had nothing to plan, or a sharded
+    model's plan was never made; else 0."""
+    verb, budget = flags.verb, str(flags.budget)
+    if session is not None and session.planned_nothing:
         session.stop()
-        return _run_error(2, _nothing_planned(verb, str(flags.get("budget"))))
-    if session is not None and session.mode == "explore":  # a sharded model, planned on its own steps
+        return _run_error(2, _nothing_planned(verb, budget))
+    if session is not None and session.still_exploring:  # a sharded model, planned on its own steps
         from .planner.lockstep import EXPLORE_STEPS
 
         session.stop()
-        ended = (f"acshim {verb}: --budget {flags.get('budget')}: the script ended before its sharded model's plan "
+        ended = (f"acshim {verb}: --budget {flags.budget}: the script ended before its sharded model's plan "
                  f"was made: it is planned on the script's own steps and needs {EXPLORE_STEPS + 1} training steps "
                  "(the first ones ran every region recomputed)")
         if verb == "plan":

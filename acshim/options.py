@@ -62,6 +62,10 @@ class RegionOptions:
     """Reentrant only: the RuntimeError text when ``torch.autograd.grad`` reaches the region (a
     facade sets its upstream's wording; default: torch's)."""
 
+    dialect: str | None = field(default=None, compare=False)
+    """The API that made the region (a facade sets its dialect, e.g. ``"deepspeed"``), as
+    ``acshim run --report`` names it; None: found from the caller. Changes nothing in the region."""
+
     def __post_init__(self) -> None:
         check_options(self)
 

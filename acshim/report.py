@@ -3,13 +3,16 @@ settings that silently do nothing.
 
 A ``RegionRecorder`` set as ``acshim.region.STATS.recorder`` sees every region call
 (``call``: which API made it, the input bytes it keeps for the recompute, ``use_cache``, nesting) and
-the engine's forwards and recomputes; it collects every storage-tier session (bytes moved per tier,
-prefetch hits and waits). ``render()`` is printed at exit by ``acshim.patching.runner``.
+the engine's forwards and recomputes; it observes every offload session of the storage tier
+(``acshim.storage.observers``: bytes moved per tier, prefetch hits and waits). The settings that do
+nothing come from what the facades told ``acshim.diagnostics``: this module knows no dialect.
+``start()`` hands back the recorder, whose ``render`` the CLI gives ``acshim.patching.runner`` to
+print at exit; ``stop()`` (and ``acshim.uninstall()``) undoes what ``start()`` did.
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import sys
 import types
 from collections.abc import Callable
@@ -19,9 +22,8 @@ from typing import Any
 import torch
 
 from . import structures
+from .diagnostics import DIAGNOSTICS
 from .state import state
-
-_DEEPSPEED = "acshim.facades.deepspeed.runtime.activation_checkpointing.checkpointing"
 
 
 @dataclass
@@ -42,7 +44,8 @@ class RegionRecorder:
     """Collects what ``render`` reports (see the module docstring)."""
 
     entries: dict[Any, RegionEntry] = field(default_factory=dict)
-    sessions: list[tuple[Any, str]] = field(default_factory=list)
+    offloads: list[tuple[Any, str]] = field(default_factory=list)
+    """Each offload session the storage tier started, with the region it was attributed to."""
     use_cache: list[str] = field(default_factory=list)
     current: RegionEntry | None = None
     paused: bool = False
@@ -51,7 +54,7 @@ class RegionRecorder:
 
     # ---------------------------------------------------------------------------------- events
     def call(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: Any) -> None:
-        entry = self._entry(function, create=True)
+        entry = self._entry(function, create=True, dialect=getattr(options, "dialect", None))
         assert entry is not None
         self.current = entry
         entry.held = max(entry.held, _input_bytes(args, kwargs))
@@ -72,12 +75,20 @@ class RegionRecorder:
         if entry is not None:
             entry.recomputes += 1
 
-    def session_started(self, session: Any) -> None:
+    @property
+    def sessions(self) -> list[tuple[Any, str]]:
+        """Former name of ``offloads``."""
+        return self.offloads
+
+    def offload_started(self, session: Any) -> None:
+        """An offload session started: attributed to the current region."""
         if self.paused:
             return
-        self.sessions.append((session, self.current.name if self.current is not None else "(outside regions)"))
+        self.offloads.append((session, self.current.name if self.current is not None else "(outside regions)"))
 
-    def _entry(self, function: Callable[..., Any], *, create: bool) -> RegionEntry | None:
+    session_started = offload_started
+
+    def _entry(self, function: Callable[..., Any], *, create: bool, dialect: str | None = None) -> RegionEntry | None:
         owner, key = _identity(function)
         entry = self.entries.get(key)
         if entry is None and create:
@@ -86,8 +97,9 @@ class RegionRecorder:
             label = type(owner).__name__ if owner is not None else _short_qualname(_unwrapped(function))
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
-            # a facade that made the region marks its module (acshim_dialect); else who called it
-            dialect = getattr(owner, "acshim_dialect", None) or _dialect_of_caller()
+            # a facade that made the region marks its module (acshim_dialect) or names itself in the
+            # region's options (RegionOptions.dialect); else who called it
+            dialect = getattr(owner, "acshim_dialect", None) or dialect or _dialect_of_caller()
             entry = self.entries[key] = RegionEntry(f"{label}#{count}", dialect)
         return entry
 
@@ -96,18 +108,7 @@ class RegionRecorder:
         """Settings that silently do nothing."""
         out = []
         ran = {entry.dialect for entry in self.entries.values() if entry.forwards}
-        deepspeed = sys.modules.get(_DEEPSPEED)
-        blocks = getattr(deepspeed, "CONFIG_BLOCKS", [])
-        if blocks and "deepspeed" not in ran:
-            out.append(f"DeepSpeed config {blocks[-1]} has an activation_checkpointing block, but nothing called "
-                       "deepspeed.checkpointing.checkpoint: the block does nothing (checkpoint the blocks with "
-                       "deepspeed.checkpointing.checkpoint, or drop the block)")
-        cpu_checkpoint = any(getattr(sys.modules.get(name), "CPU_CHECKPOINT", False) is True
-                             for name in (_DEEPSPEED, "deepspeed.runtime.activation_checkpointing.checkpointing"))
-        if cpu_checkpoint and "deepspeed" not in ran:
-            others = ", ".join(sorted(ran)) or "none"
-            out.append(f"cpu_checkpointing is on, but no DeepSpeed checkpoint ran (regions that ran: {others}); "
-                       "only deepspeed.checkpointing.checkpoint reads it, as upstream")
+        out = DIAGNOSTICS.notes(ran)  # what the facades saw: settings of a dialect that did not run
         for entry in self.entries.values():
             if entry.nested_in is not None:
                 out.append(f"checkpointing requested twice: region {entry.name} ({entry.dialect}) runs inside region "
@@ -142,7 +143,7 @@ class RegionRecorder:
             rows.append(f"  {dialect:<26} {regions} region(s), {forwards} forwards, {recomputes} recomputes, "
                         f"inputs held {_mib(held)} per step")
         tiers: dict[tuple[str, str], list[float]] = {}
-        for session, _ in self.sessions:
+        for session, _ in self.offloads:
             stats = session.stats
             totals = tiers.setdefault((stats.storage, getattr(session, "origin", "acshim")), [0, 0, 0, 0.0])
             totals[0] += stats.moved_bytes
@@ -161,61 +162,34 @@ class RegionRecorder:
         return "\n".join(rows)
 
 
-class _SessionList(list):  # type: ignore[type-arg]
-    """Handed to the storage tier's recorders: each new session is attributed to the current region."""
-
-    def __init__(self, recorder: RegionRecorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def append(self, session: Any) -> None:
-        self.recorder.session_started(session)
-
-
 def start() -> RegionRecorder:
-    """Install a recorder (idempotent) and return it."""
+    """Install a recorder (idempotent) and return it, hooked up to the storage tier's session
+    observers and with the facades' diagnostics watchers (``Dialect.diagnostics``) started; after
+    ``acshim.uninstall()`` (which undoes those two) a second call hooks the same recorder up again."""
+    from .patching.dialects import DIALECTS
     from .region import STATS
+    from .storage.observers import SESSION_OBSERVERS
 
     if STATS.recorder is None:
         STATS.recorder = RegionRecorder()
-        from .storage import session as storage_session
-
-        storage_session._recorders.append(_SessionList(STATS.recorder))
-        import wrapt
-
-        wrapt.register_post_import_hook(_observe_initialize, "deepspeed")
+    if STATS.recorder.offload_started not in SESSION_OBSERVERS:
+        SESSION_OBSERVERS.add(STATS.recorder.offload_started)
+    for dialect in DIALECTS:
+        if dialect.diagnostics is not None:
+            importlib.import_module(dialect.diagnostics)
+    DIAGNOSTICS.watch()
     return STATS.recorder
 
 
-def _observe_initialize(deepspeed: types.ModuleType) -> None:
-    """Note the ``activation_checkpointing`` block of a config given to ``deepspeed.initialize``: the
-    DeepSpeed engine never reads it (deepspeed/runtime/engine.py; only
-    ``deepspeed.checkpointing.configure(deepspeed_config=...)`` does). Observes, changes nothing."""
-    import wrapt
+def stop() -> None:
+    """Undo ``start()``: no recorder, no observer, every diagnostics watcher's patch undone."""
+    from .region import STATS
+    from .storage.observers import SESSION_OBSERVERS
 
-    initialize = getattr(deepspeed, "initialize", None)
-    if initialize is None or isinstance(initialize, wrapt.ObjectProxy):
-        return
-
-    def noting(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with contextlib.suppress(Exception):  # a diagnostic must never break the script's initialize
-            _note_initialize_config(args, kwargs)
-        return wrapped(*args, **kwargs)
-
-    deepspeed.initialize = wrapt.FunctionWrapper(initialize, noting)
-
-
-def _note_initialize_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    from .facades.deepspeed.runtime.activation_checkpointing import checkpointing
-    from .facades.deepspeed.runtime.activation_checkpointing.config import load_param_dict
-
-    config = kwargs.get("config", kwargs.get("config_params"))
-    cli_args = kwargs.get("args", args[0] if args else None)
-    if config is None:
-        config = getattr(cli_args, "deepspeed_config", None)
-    if config is not None and "activation_checkpointing" in load_param_dict(config):
-        label = config if isinstance(config, str) else "a dict"
-        checkpointing.CONFIG_BLOCKS.append(f"{label} (given to deepspeed.initialize)")
+    recorder, STATS.recorder = STATS.recorder, None
+    if recorder is not None:
+        SESSION_OBSERVERS.remove(recorder.offload_started)
+    DIAGNOSTICS.reset()
 
 
 def _mib(size: float) -> str:
@@ -334,6 +308,6 @@ def _short_qualname(function: Callable[..., Any]) -> str:
 
 
 def _dialect_of_caller() -> str:
-    from .planner.session import _dialect_of_caller as dialect
+    from .planner.sites import dialect_of_caller
 
-    return dialect()
+    return dialect_of_caller()

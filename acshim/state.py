@@ -1,26 +1,22 @@
 """Per-thread checkpointing state: is a region running its first forward, or recomputing?
 
 Mirrors FairScale's ``ThreadLocalCheckpointingState`` (fairscale/nn/checkpoint/
-checkpoint_activations.py): one small thread-local dataclass, and context managers that restore
-the previous value on exit so they nest.
+checkpoint_activations.py): one small thread-local dataclass (``acshim.storage.thread_state``, where
+all of acshim's per-thread state lives), and context managers that restore the previous value on
+exit so they nest.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from .storage.thread_state import THREAD_STATE, ThreadState
 
-@dataclass
-class _CheckpointingState(threading.local):
-    is_checkpointing: bool = False
-    is_recomputing: bool = False
-    is_checkpointing_disabled: bool = False
+_CheckpointingState = ThreadState  # the former name
 
-
-state = _CheckpointingState()
+state = THREAD_STATE
+"""This thread's checkpointing flags (the per-thread state object, ``acshim.storage.thread_state``)."""
 
 
 def is_checkpointing() -> bool:

@@ -31,6 +31,9 @@ class Dialect:
     distribution: str | None = None
     patch_only: bool = False
     """The facade only patches the installed package (it cannot stand in for the whole of it)."""
+    diagnostics: str | None = None
+    """The facade module that tells ``acshim.diagnostics`` which of its settings do nothing here
+    (imported when ``acshim run --report`` starts)."""
 
     def facade_name_for(self, upstream_name: str) -> str | None:
         """``deepspeed.runtime.x`` -> ``acshim.facades.deepspeed.runtime.x``; None when outside."""
@@ -42,7 +45,8 @@ class Dialect:
 
 
 DIALECTS: tuple[Dialect, ...] = (
-    Dialect("deepspeed", "deepspeed", "acshim.facades.deepspeed", "deepspeed"),
+    Dialect("deepspeed", "deepspeed", "acshim.facades.deepspeed", "deepspeed",
+            diagnostics="acshim.facades.deepspeed.runtime.activation_checkpointing._report_checks"),
     Dialect("fairscale", "fairscale", "acshim.facades.fairscale", "fairscale"),
     Dialect("smdistributed", "smdistributed", "acshim.facades.smdistributed", "smdistributed-modelparallel"),
     Dialect("torch.sagemaker", "torch.sagemaker", "acshim.facades.torch.sagemaker", "torch-sagemaker"),

@@ -142,6 +142,19 @@ def uninstall() -> None:
     from ..storage import unwind  # the storage tier's wrapper of torch's backward entry, if it put one
 
     unwind.restore()
+    _reset_observers()
+
+
+def _reset_observers() -> None:
+    """The process-wide observers go with the patches: the offload sessions' observers (the report's,
+    ``recording()``'s) and the facades' diagnostics watchers, their patches undone (DeepSpeed's
+    ``initialize`` back). The report's recorder is region state, like the counts ``acshim run``
+    prints at exit: ``acshim.report.stop()`` drops it, ``start()`` hooks it up again."""
+    from ..diagnostics import DIAGNOSTICS
+    from ..storage.observers import SESSION_OBSERVERS
+
+    SESSION_OBSERVERS.clear()
+    DIAGNOSTICS.reset()
 
 
 def is_installed() -> bool:

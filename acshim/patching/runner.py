@@ -21,7 +21,8 @@ import runpy
 import sys
 import types
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 
 class ScriptNotFound(OSError):
@@ -72,50 +73,61 @@ def run_module(name: str, args: Sequence[str] = ()) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
-_REPORT = {"registered": False, "filtered": True, "detailed": False, "withheld": False}
+@dataclass
+class ExitReport:
+    """The one line (or full report) this process prints at exit: registered once per process."""
 
+    registered: bool = False
+    filtered: bool = True
+    """Stay silent in a process that is not a rank and ran no region (see ``report_regions_at_exit``)."""
+    render: Callable[[], str] | None = None
+    """The full report (``acshim run --report``), printed after the counts line."""
+    withheld: bool = False
 
-def report_regions_at_exit(*, only_ranks_and_users: bool = False, detailed: bool = False) -> None:
-    """With ``ACSHIM_REPORT_REGIONS=1``, print this process's region counts to stderr at exit, one
-    line, `` (rank N)`` appended under a launcher. ``only_ranks_and_users`` (child processes): stay
-    silent in a process that is not a rank and ran no region (a launcher that imported accelerate).
-    ``detailed`` (``acshim run --report``): the full report of ``acshim.report`` instead of the line,
-    whatever the environment says. Registers once per process; a call without the filter lifts it."""
-    if detailed:
-        from ..report import start
+    def print(self) -> None:
+        """What the at-exit handler prints (to stderr)."""
+        from ..region import STATS
 
-        start()
-        _REPORT["detailed"] = True
-    elif os.environ.get("ACSHIM_REPORT_REGIONS") != "1":
-        return
-    _REPORT["filtered"] = _REPORT["filtered"] and only_ranks_and_users
-    if _REPORT["registered"]:
-        return
-    _REPORT["registered"] = True
-    import atexit
-
-    from ..region import STATS
-
-    def report() -> None:
-        if _REPORT["withheld"]:
+        if self.withheld:
             return
         rank = os.environ.get("RANK")
-        if _REPORT["filtered"] and rank is None and STATS.forwards == 0:
+        if self.filtered and rank is None and STATS.forwards == 0:
             return
         suffix = f" (rank {rank})" if rank is not None else ""
-        if _REPORT.get("detailed") and STATS.recorder is not None:
-            print(f"{STATS}{suffix}\n{STATS.recorder.render()}", file=sys.stderr, flush=True)
+        if self.render is not None:
+            print(f"{STATS}{suffix}\n{self.render()}", file=sys.stderr, flush=True)
             return
         print(f"{STATS}{suffix}", file=sys.stderr, flush=True)
 
-    atexit.register(report)
+
+EXIT_REPORT = ExitReport()
+"""This process's at-exit report (one per process: ``atexit`` runs it once)."""
+
+
+def report_regions_at_exit(*, only_ranks_and_users: bool = False, detailed: Callable[[], str] | None = None) -> None:
+    """With ``ACSHIM_REPORT_REGIONS=1``, print this process's region counts to stderr at exit, one
+    line, `` (rank N)`` appended under a launcher. ``only_ranks_and_users`` (child processes): stay
+    silent in a process that is not a rank and ran no region (a launcher that imported accelerate).
+    ``detailed`` (``acshim run --report``): the full report's ``render``, printed after the line,
+    whatever the environment says. Registers once per process; a call without the filter lifts it."""
+    if detailed is not None:
+        EXIT_REPORT.render = detailed
+    elif os.environ.get("ACSHIM_REPORT_REGIONS") != "1":
+        return
+    EXIT_REPORT.filtered = EXIT_REPORT.filtered and only_ranks_and_users
+    if EXIT_REPORT.registered:
+        return
+    EXIT_REPORT.registered = True
+    import atexit
+
+    atexit.register(EXIT_REPORT.print)
 
 
 def withhold_report() -> None:
     """No report at exit: the run was refused before it ran (``--budget`` that cannot be met), so
     there is nothing to report (counts of zero and the inputs of a call that never ran would say
     otherwise)."""
-    _REPORT["withheld"] = True
+    EXIT_REPORT.withheld = True
 
 
 def print_error_line(message: str) -> None:

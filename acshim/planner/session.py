@@ -85,8 +85,6 @@ METHOD = ("measured on the script's first step under a guard on the process's me
           "each region saves, the rest of the model ran alone (regions replayed), kept and offloaded, each distinct "
           "region ran alone per choice (least memory first), one step verified the plan")
 
-_dialect_of_caller = dialect_of_caller  # acshim.report's name for it
-
 
 class PlanExit(BaseException):
     """Ends the script from inside its first step: ``code`` 0 after ``acshim plan``, 2 on bad input
@@ -157,11 +155,21 @@ class PlanSession:
     """A sharded model's planner on its real steps (``lockstep``)."""
 
     # ---------------------------------------------------------------------------------- lifetime
+    @property
+    def planned_nothing(self) -> bool:
+        """True when no checkpointed region ran with grad enabled: there was nothing to plan."""
+        return self.mode == "idle"
+
+    @property
+    def still_exploring(self) -> bool:
+        """True while a sharded model is planned on the script's own steps and has no plan yet."""
+        return self.mode == "explore"
+
     def start(self, baseline_now: bool = False) -> PlanSession:
         """Check the arguments, load what planning uses (``warmup``) and route every region call to
         this session. The budget is above the process memory at the start of the outermost module
         call the plan is made in, or, with ``baseline_now``, the memory now."""
-        _check_budget(self.budget)
+        check_budget(self.budget)
         check_memory_kind(self.memory)
         expand_choices(self.choices, ("disk",))
         with _counters_paused():  # the warm-up's tiny layer is not the script's region
@@ -775,11 +783,15 @@ def _numel(shape: list[int]) -> int:
     return total
 
 
-def _check_budget(budget: Any) -> None:
+def check_budget(budget: Any) -> None:
+    """ValueError naming ``--budget`` unless ``budget`` is a size, a byte count or a fraction."""
     try:
         parse_budget(budget, 1)
     except (TypeError, ValueError) as error:
         raise ValueError(f"--budget {budget}: {error}") from None
+
+
+_check_budget = check_budget  # the former name
 
 
 @contextlib.contextmanager

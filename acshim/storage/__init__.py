@@ -20,6 +20,7 @@ from __future__ import annotations
 from . import native
 from .defaults import StorageDefaults, get_defaults, reset_defaults, set_defaults
 from .errors import OffloadIOError
+from .offload_session import OffloadStats
 from .scopes import (
     BoundaryOffload,
     OffloadActivations,
@@ -29,7 +30,6 @@ from .scopes import (
     recording,
     region_option_changes,
 )
-from .session import OffloadStats
 
 __all__ = [
     "BoundaryOffload", "OffloadActivations", "OffloadIOError", "OffloadStats", "StorageDefaults", "boundary_offload",

@@ -16,8 +16,10 @@ from .defaults import check_directory_argument, check_flag, get_defaults, valida
 from .disk import DiskTier, check_directory
 from .errors import OffloadIOError
 from .host import HostTier
+from .observers import SESSION_OBSERVERS
+from .offload_session import OffloadSession, OffloadStats
 from .residents import BUFFERS
-from .session import OffloadSession, OffloadStats, _opt_out, _recorders
+from .thread_state import THREAD_STATE
 from .versions import keep, unpack_kept
 
 
@@ -179,13 +181,13 @@ class no_offload:
         self._hooks = saved_tensors_hooks(keep, unpack_kept)  # torch's in-place check, kept
 
     def __enter__(self) -> no_offload:
-        _opt_out.depth = getattr(_opt_out, "depth", 0) + 1
+        THREAD_STATE.offload_opt_outs += 1
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._hooks.__exit__(*exc_info)
-        _opt_out.depth -= 1
+        THREAD_STATE.offload_opt_outs -= 1
 
 
 class _RegionScope:
@@ -265,8 +267,8 @@ def recording() -> Iterator[list[OffloadSession]]:
     """Collect every offload session started inside the block (their ``stats`` show what was
     routed where). Facade tests use it to prove that a flag reached the engine."""
     sessions: list[OffloadSession] = []
-    _recorders.append(sessions)
+    SESSION_OBSERVERS.add(sessions.append)
     try:
         yield sessions
     finally:
-        _recorders.remove(sessions)
+        SESSION_OBSERVERS.remove(sessions.append)

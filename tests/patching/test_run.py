@@ -9,7 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from acshim.cli import _parse_run
+import pytest
+
+from acshim.cli_flags import HELP, OPTIONS, RunFlags, help_text, parse_run_flags, usage
 
 PROBE = """
 import json, os, sys
@@ -96,14 +98,28 @@ def test_script_runs_with_the_patches_installed(tmp_path: Path, run_acshim) -> N
 
 
 def test_run_options_stop_at_the_script() -> None:
-    assert _parse_run(["--hf", "train.py", "--children", "-m"]) == ({"hf": True, "children": False}, "train.py", None,
-                                                                    ["--children", "-m"])
-    assert _parse_run(["--children", "-m", "pkg.mod", "--hf"]) == ({"hf": False, "children": True}, None, "pkg.mod", ["--hf"])
-    assert _parse_run(["-mpkg", "a"]) == ({"hf": False, "children": False}, None, "pkg", ["a"])
-    assert _parse_run(["--", "-weird.py"]) == ({"hf": False, "children": False}, "-weird.py", None, [])
-    assert "unknown option '--nope'" in _parse_run(["--nope", "x.py"])
-    assert _parse_run([]) == "acshim run: the script to run is missing"
+    assert parse_run_flags(["--hf", "train.py", "--children", "-m"]) == RunFlags(
+        hf=True, script="train.py", args=["--children", "-m"])
+    assert parse_run_flags(["--children", "-m", "pkg.mod", "--hf"]) == RunFlags(children=True, module="pkg.mod",
+                                                                                 args=["--hf"])
+    assert parse_run_flags(["-mpkg", "a"]) == RunFlags(module="pkg", args=["a"])
+    assert parse_run_flags(["--", "-weird.py"]) == RunFlags(script="-weird.py")
+    assert parse_run_flags(["--budget=2GiB", "--report", "t.py"]) == RunFlags(budget="2GiB", report=True, script="t.py")
+    assert "unknown option '--nope'" in parse_run_flags(["--nope", "x.py"])
+    assert "unknown option '--report'" in parse_run_flags(["--report", "x.py"], "plan")
+    assert parse_run_flags([]) == "acshim run: the script to run is missing"
+    assert parse_run_flags(["--help", "x.py"]) == HELP
 
+
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_help_lists_every_option_the_parser_reads(verb: str) -> None:
+    """The help is argparse's own, made from the table the command line is read with."""
+    text = help_text(verb)
+    assert text.startswith(f"usage: {usage(verb)}")
+    for option in OPTIONS[verb]:
+        assert option.name in text and option.name in usage(verb)
+        flags = parse_run_flags([option.name, *(["1"] if option.metavar else []), "x.py"], verb)
+        assert isinstance(flags, RunFlags) and getattr(flags, option.dest) == ("1" if option.metavar else True)
 
 
 def test_hf_flag_checkpoints_every_transformers_model_and_install_routes_hf_switches(tmp_path: Path, run_acshim) -> None:

@@ -139,7 +139,7 @@ def runtime(request, monkeypatch):
     if request.param == "cpu":
         yield Runtime("cpu")
         return
-    from acshim.storage.session import OffloadSession
+    from acshim.storage.offload_session import OffloadSession
 
     sim, backend = simulated_cuda(request.param.rsplit("-", 1)[1], seed=zlib.crc32(request.node.name.encode()))
     monkeypatch.setattr(OffloadSession, "_backend_for",

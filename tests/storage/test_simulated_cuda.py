@@ -25,7 +25,7 @@ from acshim.backends.cuda import STAGING_SLAB_BYTES, CudaBackend
 from acshim.backends.simcuda import SimulatedCuda
 from acshim.storage import OffloadIOError, boundary_offload, offload
 from acshim.storage.host import HostTier
-from acshim.storage.session import OffloadSession
+from acshim.storage.offload_session import OffloadSession
 from acshim.testing import seeded, tiny_sequential
 
 from .conftest import assert_no_violations, simulated_cuda
@@ -209,7 +209,7 @@ def test_disk_tier_staging_bounds_what_waits_for_the_disk(lazy_cuda, disk_dir):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_host_tier_in_flight_limit_holds_back_forward(sim_cuda, prefetch, monkeypatch):
-    from acshim.storage import session as session_module
+    from acshim.storage import offload_session as session_module
 
     sim, backend = sim_cuda
     model, x = seeded(lambda: tiny_sequential(6, 128)), torch.randn(256, 128)  # 128 KiB per block input

@@ -19,8 +19,8 @@ from acshim.options import RegionOptions
 from acshim.selective import offload_policies
 from acshim.storage import boundary_offload, offload, recording
 from acshim.storage.layout import movable
+from acshim.storage.offload_session import OffloadSession
 from acshim.storage.reaper import REAPER
-from acshim.storage.session import OffloadSession
 from acshim.testing import hf_inputs, hf_model
 
 

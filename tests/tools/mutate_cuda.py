@@ -47,7 +47,7 @@ SWAPS = {  # issue 27: a check replaced by its permissive value, a flag by 0
     # autograd node runs on: its forward op's, a side stream's in test_gpu_paths)
     "current = self.runtime.current_stream(self.device)": "current = self.runtime.default_stream",
 }
-TARGETS = (TARGET, Path("backends/runtime.py"), Path("acshim/storage/session.py"))
+TARGETS = (TARGET, Path("backends/runtime.py"), Path("acshim/storage/offload_session.py"))
 COPIED = ("acshim", "backends", "csrc", "compat_matrix", "tests", "benchmarks", "examples", "docs", "README.md",
           "setup.py", "pyproject.toml")
 

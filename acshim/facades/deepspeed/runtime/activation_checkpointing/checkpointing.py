@@ -224,6 +224,7 @@ def _region_options(reentrant: bool) -> RegionOptions:
         # as upstream, offload only when a backward will run
         saved_tensors_scope=_host_offload_scope() if STATE.CPU_CHECKPOINT and torch.is_grad_enabled() else None,
         observer=observer,
+        dialect="deepspeed",
     )
 
 

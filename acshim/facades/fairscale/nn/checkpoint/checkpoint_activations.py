@@ -50,7 +50,8 @@ def _region_options(offload_to_cpu: Any) -> RegionOptions:
     return RegionOptions(reentrant=True, preserve_rng_state=True,
                          saved_tensors_scope=host_boundary_offload() if offload_to_cpu else None,
                          grad_error_message="Checkpointing is not compatible with .grad(), please use .backward() if "
-                                            "possible")
+                                            "possible",
+                         dialect="fairscale")
 
 
 def _needs_grad(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
