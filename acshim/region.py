@@ -101,8 +101,6 @@ def run_region_now(function: Callable[..., Any], args: tuple[Any, ...], kwargs: 
 # non-reentrant: torch.utils.checkpoint does the recompute; RegionCall (acshim.region_call) adds
 # what it lacks
 
-_RegionCall = RegionCall
-"""The former private name, kept for code that reached for it (``acshim.report``'s frame walk)."""
 
 
 def _run_non_reentrant(
@@ -134,7 +132,7 @@ def _run_non_reentrant(
 # backward
 
 
-class _ReentrantSpec:
+class ReentrantSpec:
     """One reentrant region call: what its Function needs besides the saved input tensors."""
 
     __slots__ = ("function", "options", "leaves", "rebuild_inputs", "positions", "output_positions",
@@ -278,7 +276,7 @@ def _autocast_contexts(device_type: str) -> list[dict[str, Any]]:
 
 class _ReentrantRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, spec: _ReentrantSpec, dummy: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, spec: ReentrantSpec, dummy: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
         ctx.spec = spec
         ctx.set_materialize_grads(False)  # an output with no gradient adds nothing (not zeros) inside
         ctx.save_for_backward(*inputs[:len(spec.positions)])  # the rest: parameters and leaves, not saved
@@ -287,7 +285,7 @@ class _ReentrantRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        spec: _ReentrantSpec = ctx.spec
+        spec: ReentrantSpec = ctx.spec
         options = spec.options
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(options.grad_error_message or REENTRANT_GRAD_ERROR)
@@ -371,7 +369,7 @@ def _run_reentrant(
     # The spec keeps only non-tensor leaves: input tensors live in ctx.save_for_backward, where a
     # storage tier's saved_tensors_hooks can move them.
     opaque = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    spec = _ReentrantSpec(function, options, opaque, rebuild, positions)
+    spec = ReentrantSpec(function, options, opaque, rebuild, positions)
     spec.capture(tensors)
     referenced: dict[int, torch.Tensor] = {}
     output, since, modules, noted = spec.run_forward(
@@ -414,5 +412,3 @@ def owning_module(function: Callable[..., Any]) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
-_owning_module = owning_module
-"""The former private name, kept for code that reached for it (``acshim.report``)."""

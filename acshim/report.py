@@ -206,9 +206,9 @@ def _identity(function: Callable[..., Any]) -> tuple[torch.nn.Module | None, Any
     """The module a region runs (None for a plain function) and the key of its row: one row per
     module; for a closure (DeepSpeed's ``custom(module)`` idiom, a group of layers) one row per code
     and the modules and indexes it captured, so each block's closure is its own region."""
-    from .region import _owning_module
+    from .region import owning_module
 
-    owner = _owning_module(function)
+    owner = owning_module(function)
     if owner is not None:
         return owner, ("module", id(owner))
     inner = _unwrapped(function)
@@ -286,9 +286,10 @@ def _asks_for_cache(function: Any, kwargs: dict[str, Any]) -> bool:
 
 def _outer_region(function: Callable[..., Any]) -> Callable[..., Any] | None:
     """The callable of the region whose forward is running further up the stack."""
-    from .region import _ReentrantSpec, _RegionCall
+    from .region import ReentrantSpec
+    from .region_call import RegionCall
 
-    codes = {_RegionCall.__call__.__code__: "self", _ReentrantSpec.run_forward.__code__: "self"}
+    codes = {RegionCall.__call__.__code__: "self", ReentrantSpec.run_forward.__code__: "self"}
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         slot = codes.get(frame.f_code)

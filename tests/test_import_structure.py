@@ -20,23 +20,9 @@ KNOWN_CIRCLES = {
      "acshim.planner.session"),
 }
 
-KNOWN_PRIVATE = {
-    # issue 31 items 2-4 (report, CLI, storage session): being reworked on another branch
-    ("acshim.cli", "acshim.planner.session", "_check_budget"),
-    ("acshim.report", "acshim.storage.session", "_recorders"),
-    ("acshim.report", "acshim.region", "_owning_module"),
-    ("acshim.report", "acshim.region", "_ReentrantSpec"),
-    ("acshim.report", "acshim.region", "_RegionCall"),
-    ("acshim.report", "acshim.planner.session", "_dialect_of_caller"),
-    ("acshim.storage.scopes", "acshim.storage.session", "_opt_out"),
-    ("acshim.storage.scopes", "acshim.storage.session", "_recorders"),
-    ("acshim.planner.choices", "acshim.storage.scopes", "_Options"),  # the storage tier's own name
-}
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()  # none left: issue 31 removed them all
 
-KNOWN_ARROWS_UP = {
-    # issue 31 item 2: the runner registers the CLI's report (being reworked on another branch)
-    ("acshim.patching.runner", "acshim.report"),
-}
+KNOWN_ARROWS_UP: set[tuple[str, str]] = set()  # none left: the runner no longer imports the report
 
 
 def _tool():

@@ -73,10 +73,10 @@ class SharedOffload:
     ``acshim.offload`` around the step does, so forward waits less for the copies."""
 
     def __init__(self, storage: str, prefetch: int, in_flight: int = IN_FLIGHT) -> None:
-        from ..storage.scopes import _Options
+        from ..storage.scopes import OffloadOptions
 
         self.storage, self.prefetch, self.in_flight = storage, prefetch, in_flight
-        options = _Options(storage, prefetch, None, None, None, None, None)
+        options = OffloadOptions(storage, prefetch, None, None, None, None, None)
         self.session = options.session(options.tier(), per_tensor_groups=True)
         self.session.max_bytes_in_flight = min(self.session.max_bytes_in_flight, in_flight)
         self._hooks: list[Any] = []

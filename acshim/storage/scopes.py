@@ -23,7 +23,7 @@ from .thread_state import THREAD_STATE
 from .versions import keep, unpack_kept
 
 
-class _Options:
+class OffloadOptions:
     """Offload options with the engine defaults (``set_defaults``) filled in and validated."""
 
     def __init__(self, storage: str | None, prefetch: int | None, directory: str | None, min_bytes: int | None,
@@ -104,7 +104,7 @@ class OffloadActivations:
     def __init__(self, storage: str | None = None, prefetch: int | None = None, directory: str | None = None,
                  min_bytes: int | None = None, *, direct: bool | None = None, native: bool | None = None,
                  backend: Backend | None = None) -> None:
-        self.options = _Options(storage, prefetch, directory, min_bytes, direct, native, backend)
+        self.options = OffloadOptions(storage, prefetch, directory, min_bytes, direct, native, backend)
         self._tier = self.options.tier()
         self._active: list[tuple[OffloadSession, saved_tensors_hooks]] = []
         self.session: OffloadSession | None = None
@@ -220,7 +220,7 @@ class BoundaryOffload:
     def __init__(self, storage: str | None = None, prefetch: int | None = None, directory: str | None = None,
                  min_bytes: int | None = None, *, direct: bool | None = None, native: bool | None = None,
                  backend: Backend | None = None) -> None:
-        self.options = _Options(storage, prefetch, directory, min_bytes, direct, native, backend)
+        self.options = OffloadOptions(storage, prefetch, directory, min_bytes, direct, native, backend)
         self.session = self.options.session(self.options.tier(), per_tensor_groups=False)
 
     def __call__(self) -> _RegionScope:
