@@ -12,6 +12,11 @@ Recognised (the schedules' own objects, never guessed from shapes):
   1F1B, and ``TrainSchedule.num_pipe_buffers`` says a stage keeps
   ``min(stages - stage_id, micro_batches)`` forwards alive; the stage module is the engine's
   ``PipelineModule``, whose forward runs only this stage's layers.
+- ``torch.distributed.pipelining``: a ``PipelineStage`` run by ``Schedule1F1B`` (its warm-up runs
+  ``min(n_microbatches, num_stages - stage_index)`` forwards before the first backward: that many
+  alive) or ``ScheduleGPipe`` (every microbatch's forward before any backward: all alive); the
+  stage module is the stage's ``submod``. Other schedules (interleaved, zero bubble, several stages
+  per rank) are refused by name: ``UnplannedPipeline``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class PipelineStage:
                 f"microbatches: up to {self.in_flight} alive at once")
 
 
+class UnplannedPipeline(ValueError):
+    """A pipeline schedule whose microbatches alive at once are not counted yet."""
+
+
 def _class_names(value: object) -> set[str]:
     return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(value).__mro__}
 
@@ -60,6 +69,8 @@ def pipeline_on_stack() -> PipelineStage | None:
             calls.append(frame)
         elif owner is not None and "deepspeed.runtime.pipe.engine.PipelineEngine" in _class_names(owner):
             return _deepspeed_stage(owner, calls)
+        elif owner is not None and "torch.distributed.pipelining.stage._PipelineStageBase" in _class_names(owner):
+            return _torch_stage(owner, calls, frame)
         frame = frame.f_back
     return None
 
@@ -78,3 +89,29 @@ def _deepspeed_stage(engine: Any, calls: list[types.FrameType]) -> PipelineStage
     stages, stage, microbatches = int(engine.num_stages), int(engine.stage_id), int(engine.micro_batches)
     return PipelineStage("DeepSpeed PipelineEngine", "1F1B", engine.module, *call, stage=stage, stages=stages,
                          microbatches=microbatches, in_flight=max(1, min(stages - stage, microbatches)))
+
+
+def _torch_stage(stage: Any, calls: list[types.FrameType], frame: types.FrameType) -> PipelineStage | None:
+    call = _module_call(stage.submod, calls)
+    if call is None:
+        return None
+    schedule = None
+    outer: types.FrameType | None = frame
+    while outer is not None and schedule is None:
+        owner = outer.f_locals.get("self")
+        if owner is not None and "torch.distributed.pipelining.schedules._PipelineSchedule" in _class_names(owner):
+            schedule = owner
+        outer = outer.f_back
+    name = type(schedule).__name__ if schedule is not None else "no schedule"
+    stages, index = int(stage.num_stages), int(stage.stage_index)
+    microbatches = int(getattr(schedule, "_n_microbatches", 0) or 0)
+    if name == "Schedule1F1B":
+        alive = min(microbatches, stages - index)
+    elif name == "ScheduleGPipe":
+        alive = microbatches
+    else:
+        raise UnplannedPipeline(f"torch.distributed.pipelining stage {index} of {stages} run by {name}: acshim run "
+                                "--budget counts the microbatches alive at once for Schedule1F1B and ScheduleGPipe "
+                                "only; use one of them, or drop --budget")
+    return PipelineStage("torch.distributed.pipelining", name.removeprefix("Schedule"), stage.submod, *call,
+                         stage=index, stages=stages, microbatches=microbatches, in_flight=max(1, alive))

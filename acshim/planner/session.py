@@ -61,7 +61,7 @@ from .estimate import step_peak
 from .feedback import StepTimer
 from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
-from .pipelines import PipelineStage, pipeline_on_stack
+from .pipelines import PipelineStage, UnplannedPipeline, pipeline_on_stack
 from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
@@ -291,7 +291,11 @@ class PlanSession:
                   options: RegionOptions) -> None:
         found = model_on_stack()
         self.world = world_size()
-        self.pipeline = pipeline_on_stack()
+        try:
+            self.pipeline = pipeline_on_stack()
+        except UnplannedPipeline as error:
+            self.stop()
+            raise PlanExit(2, f"acshim run --budget {self.budget}: {error}") from None
         if self.pipeline is not None:  # each stage is its own planning problem (pipelines)
             # planning's backwards must not reach the received activations: the schedule sends
             # their .grad to the previous stage (storage shared, no copy)
