@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import region as engine
+from .. import structures
 from ..options import RegionOptions
 from ..region import owning_module, run_region_now
 from ..storage import no_offload
@@ -60,6 +61,7 @@ from .estimate import step_peak
 from .feedback import StepTimer
 from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
+from .pipelines import PipelineStage, UnplannedPipeline, pipeline_on_stack
 from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
@@ -153,6 +155,9 @@ class PlanSession:
     """No checkpointing's peak from one step on fake tensors (``estimate``), where it ran."""
     _lockstep: LockstepPlanner | None = None
     """A sharded model's planner on its real steps (``lockstep``)."""
+    pipeline: PipelineStage | None = None
+    """This rank's pipeline stage (``pipelines``): planned alone, for one microbatch within the
+    budget divided by the microbatches its schedule keeps alive at once."""
 
     # ---------------------------------------------------------------------------------- lifetime
     @property
@@ -294,7 +299,30 @@ class PlanSession:
                   options: RegionOptions) -> None:
         found = model_on_stack()
         self.world = world_size()
-        sharded = sharded_by(found[0] if found is not None else None) if self.world > 1 else None
+        try:
+            self.pipeline = pipeline_on_stack()
+        except UnplannedPipeline as error:
+            self.stop()
+            raise PlanExit(2, f"acshim run --budget {self.budget}: {error}") from None
+        if self.pipeline is not None:  # each stage is its own planning problem (pipelines)
+            # planning's backwards must not reach the received activations: the schedule sends
+            # their .grad to the previous stage (storage shared, no copy)
+            found = (self.pipeline.module, *_detached((self.pipeline.args, self.pipeline.kwargs)))
+            if self.plan_file:
+                self.stop()
+                raise PlanExit(2, f"acshim run --plan-file: {self.pipeline.describe()}: each stage has its own plan, "
+                                  "and a plan file holds one; drop --plan-file (each stage plans on its first "
+                                  "microbatch)")
+            if self.exit_after_plan:
+                self.stop()
+                raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own first "
+                                  "microbatch, and one stage ending there would leave the others waiting; run the "
+                                  "script as acshim run --budget B (each stage's plan is logged)")
+            fraction = _fraction(self.budget)
+            if fraction is None and self._budget_bytes is None:
+                self._budget_bytes = parse_budget(self.budget, 1) // self.pipeline.in_flight
+        sharded = sharded_by(found[0] if found is not None else None) if self.world > 1 and \
+            self.pipeline is None else None
         if found is None:
             self.stop()
             raise PlanExit(2, "acshim run --budget: the first checkpointed region ran outside any nn.Module's forward, "
@@ -342,7 +370,7 @@ class PlanSession:
     def _announce(self, plan: Plan) -> None:
         """The log line (and picture) of a plan just made; after ``acshim plan``, its table, and the
         run ends here. Every rank has the same plan: rank 0 says it."""
-        lead = rank() == 0 and not self.api
+        lead = (rank() == 0 or self.pipeline is not None) and not self.api  # each stage has its own plan
         if lead:
             print(self.summary(), file=sys.stderr, flush=True)
         if lead and self.png and not self.exit_after_plan:
@@ -477,10 +505,10 @@ class PlanSession:
 
                 def measure(candidate: Plan) -> Verification:
                     found = profiler.verify(candidate.choices, candidate.outside, candidate.in_flight)
-                    return agree_measurement(found, device_of(root)) if self.world > 1 else found
+                    return agree_measurement(found, device_of(root)) if self._agreed() else found
 
                 overhead = profiler.used()
-                if self.world > 1:  # every rank solves the same numbers
+                if self._agreed():  # every rank solves the same numbers
                     overhead = agree_bytes(overhead, device_of(root))
                 result = solve_within(profile, limit, measure if self.verify else None, retries=self.retries,
                                       overhead=overhead)
@@ -546,7 +574,7 @@ class PlanSession:
             stops=dict(profiler.stops), unchecked_floor=int(FAKE_PEAK_SHARE * self._fake_peak),
             recompute_step={"saved": counted.total(),
                             "forward_seconds": sum(site.forward_seconds for site in self.sites)})
-        if self.world > 1:  # every rank solves the same numbers, so every rank gets the same plan
+        if self._agreed():  # every rank solves the same numbers, so every rank gets the same plan
             profile = agree_profile(profile, device_of(root))
             profile.method += f"; agreed across {self.world} ranks (each number the largest any rank measured)"
         return profile
@@ -555,7 +583,19 @@ class PlanSession:
         """Whether choices that bounding ones make unlikely may go unmeasured (``profiler.DEFERRED``):
         not where the whole frontier is shown (``sweep``, ``png``), nor across ranks (each rank
         would have to measure the same ones in lock-step)."""
-        return not (self.sweep or self.png or self.world > 1)
+        return not (self.sweep or self.png or self._agreed())
+
+    def _agreed(self) -> bool:
+        """Whether the ranks plan together (one plan); a pipeline stage plans alone."""
+        return self.world > 1 and self.pipeline is None
+
+    @property
+    def stage_budget(self) -> int | None:
+        """The bytes this rank may use above its first step's start: the plan's budget, times the
+        microbatches alive at once on a pipeline stage."""
+        if self.plan is None:
+            return None
+        return self.plan.budget * (self.pipeline.in_flight if self.pipeline is not None else 1)
 
     def _drop_sites_data(self) -> None:
         for site in self.sites:
@@ -678,6 +718,11 @@ class PlanSession:
             asked[label] = asked.get(label, 0) + 1
         regions = len(self.sites) or len(plan.blocks)
         what = f"({', '.join(f'{n} {k}' for k, n in asked.items())}) " if asked else ""
+        if self.pipeline is not None:
+            stage = self.pipeline
+            return (f"acshim: --budget {format_bytes(self.stage_budget or 0)} on rank {rank()}, {stage.describe()}: "
+                    f"planned for one microbatch within {format_bytes(plan.budget)} (the budget / {stage.in_flight}): "
+                    f"replaced {regions} region(s) {what}by the plan ({chosen}); {tail}")
         return f"acshim: --budget {format_bytes(plan.budget)}: replaced {regions} region(s) {what}by the plan ({chosen}); {tail}"
 
     def report(self) -> str:
@@ -742,6 +787,13 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
         full = rounded_peak(profile, ["recompute"] * len(profile.blocks)) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
     return parse_budget(budget, none)
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with each tensor a new leaf sharing its storage (same ``requires_grad``)."""
+    leaves, rebuild = structures.flatten(value)
+    return rebuild([leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves])
 
 
 def _fresh_baseline(memory: ProcessMemory) -> int:
