@@ -111,6 +111,10 @@ class RegionProfiler:
     def __init__(self, session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  loss_fn: Callable[[Any], torch.Tensor] | None, memory: ProcessMemory, baseline: int,
                  limit: int | None) -> None:
+        # Measurements run forward and backward many times: on the script's own inputs their
+        # backwards would reach the leaves those inputs come from (an input that requires grad, the
+        # tensor a pipeline stage received) and add into their .grad, which the script then reads.
+        args, kwargs = detached_inputs((args, kwargs))
         self.session, self.root, self.args, self.kwargs = session, root, args, kwargs
         self.loss_fn = loss_fn
         self.memory = memory
@@ -525,6 +529,14 @@ class _ProcessMarks:
 
     def release(self) -> None:
         pass
+
+
+def detached_inputs(value: Any) -> Any:
+    """``value`` with each tensor a new leaf sharing its storage (same ``requires_grad``): what
+    planning runs on, so that its backwards end there."""
+    leaves, rebuild = structures.flatten(value)
+    return rebuild([leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves])
 
 
 def _run_as(session: Any, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from .. import region as engine
-from .. import structures
 from ..options import RegionOptions
 from ..region import owning_module, run_region_now
 from ..storage import no_offload
@@ -65,7 +64,7 @@ from .pipelines import PipelineStage, UnplannedPipeline, pipeline_on_stack
 from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
-from .profiler import RegionProfiler, Verification
+from .profiler import RegionProfiler, Verification, detached_inputs
 from .report import frontier_table
 from .sites import (
     RegionSite,
@@ -307,7 +306,7 @@ class PlanSession:
         if self.pipeline is not None:  # each stage is its own planning problem (pipelines)
             # planning's backwards must not reach the received activations: the schedule sends
             # their .grad to the previous stage (storage shared, no copy)
-            found = (self.pipeline.module, *_detached((self.pipeline.args, self.pipeline.kwargs)))
+            found = (self.pipeline.module, *detached_inputs((self.pipeline.args, self.pipeline.kwargs)))
             if self.plan_file:
                 self.stop()
                 raise PlanExit(2, f"acshim run --plan-file: {self.pipeline.describe()}: each stage has its own plan, "
@@ -787,13 +786,6 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
         full = rounded_peak(profile, ["recompute"] * len(profile.blocks)) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
     return parse_budget(budget, none)
-
-
-def _detached(value: Any) -> Any:
-    """``value`` with each tensor a new leaf sharing its storage (same ``requires_grad``)."""
-    leaves, rebuild = structures.flatten(value)
-    return rebuild([leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf
-                    for leaf in leaves])
 
 
 def _fresh_baseline(memory: ProcessMemory) -> int:
