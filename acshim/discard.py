@@ -27,10 +27,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from . import rng
 from .options import RegionOptions
 from .region import STATS
+from .region_dialect import ENGINE
 from .state import state
 
 GRAD_ERROR = "Checkpointing is not compatible with .grad(), please use .backward() if possible"
-_OPTIONS = RegionOptions(reentrant=True)  # how --report describes these regions
 
 
 class _RNGSnapshot:
@@ -62,9 +62,12 @@ class DiscardedOutputRegion:
     >>> normed = region.run(norm, hidden)            # forward, no graph kept inside ``norm``
     >>> out = mlp(normed)                            # ``mlp`` saves ``normed`` for its backward
     >>> region.discard(out)                          # ``normed``'s storage freed until out's grad
+
+    ``dialect``: the API that made it, as ``acshim run --report`` names it (a facade's name).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dialect: str = ENGINE) -> None:
+        self._options = RegionOptions(reentrant=True, dialect=dialect)  # how --report describes the region
         self._function: Callable[..., Any] | None = None
         self._ctx: Any = None
         self._outputs: tuple[torch.Tensor, ...] | None = None
@@ -75,7 +78,7 @@ class DiscardedOutputRegion:
         if state.is_checkpointing_disabled or not torch.is_grad_enabled():
             return function(*args)
         if STATS.recorder is not None:
-            STATS.recorder.call(function, args, {}, _OPTIONS)
+            STATS.recorder.call(function, args, {}, self._options)
         self._function = function
         self._rng = _RNGSnapshot([a for a in args if isinstance(a, torch.Tensor)])
         STATS.forward(function)

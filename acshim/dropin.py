@@ -10,10 +10,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from .options import DETERMINISM_CHECKS, RegionOptions
 from .region import run_region
+from .region_dialect import claim, release
 
 noop_context_fn = torch_checkpoint.noop_context_fn
 
@@ -53,12 +55,20 @@ def checkpoint(
             f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, but got {determinism_check}")
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
-    options = RegionOptions(
-        reentrant=reentrant,
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        context_fn=None if context_fn is noop_context_fn else context_fn,
-    )
-    return run_region(function, args, kwargs, options)
+    # the API that made the region: the facade's that called (region_dialect.made_by), else "acshim";
+    # while Dynamo traces, none (no report or plan sees a traced region)
+    dialect, token = (None, None) if torch.compiler.is_compiling() else claim()
+    try:
+        options = RegionOptions(
+            reentrant=reentrant,
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            context_fn=None if context_fn is noop_context_fn else context_fn,
+            dialect=dialect,
+        )
+        return run_region(function, args, kwargs, options)
+    finally:
+        if token is not None:
+            release(token)

@@ -5,7 +5,8 @@ A ``RegionRecorder`` set as ``acshim.region.STATS.recorder`` sees every region c
 (``call``: which API made it, the input bytes it keeps for the recompute, ``use_cache``, nesting) and
 the engine's forwards and recomputes; it observes every offload session of the storage tier
 (``acshim.storage.observers``: bytes moved per tier, prefetch hits and waits). The settings that do
-nothing come from what the facades told ``acshim.diagnostics``: this module knows no dialect.
+nothing come from what the facades told ``acshim.diagnostics``, and each region's API from what its
+facade named (``acshim.region_dialect``): this module knows no dialect.
 ``start()`` hands back the recorder, whose ``render`` the CLI gives ``acshim.patching.runner`` to
 print at exit; ``stop()`` (and ``acshim.uninstall()``) undoes what ``start()`` did.
 """
@@ -23,6 +24,7 @@ import torch
 
 from . import structures
 from .diagnostics import DIAGNOSTICS
+from .region_dialect import ENGINE
 from .state import state
 
 
@@ -98,8 +100,8 @@ class RegionRecorder:
             count = self._class_counts.get(label, 0)
             self._class_counts[label] = count + 1
             # a facade that made the region marks its module (acshim_dialect) or names itself in the
-            # region's options (RegionOptions.dialect); else who called it
-            dialect = getattr(owner, "acshim_dialect", None) or dialect or _dialect_of_caller()
+            # region's options (RegionOptions.dialect, see acshim.region_dialect); else the engine's API
+            dialect = getattr(owner, "acshim_dialect", None) or dialect or ENGINE
             entry = self.entries[key] = RegionEntry(f"{label}#{count}", dialect)
         return entry
 
@@ -307,8 +309,3 @@ def _short_qualname(function: Callable[..., Any]) -> str:
     parts = [p for p in getattr(function, "__qualname__", "fn").split(".") if p != "<locals>"]
     return ".".join(parts[:1] + parts[-1:]) if len(parts) > 2 else ".".join(parts)
 
-
-def _dialect_of_caller() -> str:
-    from .planner.sites import dialect_of_caller
-
-    return dialect_of_caller()

@@ -13,7 +13,7 @@ from ..wrap import checkpoint_sequential_groups, checkpointed_forward_of, unchec
 from .blocks import HFBlocks
 from .caching import add_cache_hook, remove_cache_hooks
 from .offload import with_offload
-from .region import checkpoint_hf_block
+from .region import checkpoint_hf_block, named_hf
 
 
 def checkpoint_model(model: nn.Module, policy: PolicyLike = None, *, every_n_layers: int = 1, offload: bool = False,
@@ -27,7 +27,7 @@ def checkpoint_model(model: nn.Module, policy: PolicyLike = None, *, every_n_lay
     Other keywords are ``RegionOptions`` fields (``reentrant``, ``preserve_rng_state``...).
     Earlier acshim regions in ``model`` are replaced, never nested.
     """
-    region_options = with_offload(build_options(options, **option_changes), offload)
+    region_options = named_hf(with_offload(build_options(options, **option_changes), offload))
     chosen = HFBlocks() if policy is None else as_policy(policy)
     if every_n_layers != 1:
         chosen = EveryNth(every_n_layers, of=chosen)

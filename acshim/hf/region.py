@@ -46,6 +46,16 @@ _TORCH_CHECKPOINT_KEYWORDS = {
 }
 
 
+DIALECT = "hf"
+"""How ``acshim run --report`` and the ``--budget`` plan name the regions made here (``patch_transformers``,
+``--hf``, ``gradient_checkpointing_enable`` on the engine, Accelerate's activation checkpointing)."""
+
+
+def named_hf(options: RegionOptions) -> RegionOptions:
+    """``options`` naming ``DIALECT`` as the API that made the region, unless they name one already."""
+    return options if options.dialect is not None else options.replace(dialect=DIALECT)
+
+
 def options_from_checkpoint_kwargs(kwargs: dict[str, Any] | None, default_reentrant: bool,
                                    base: RegionOptions | None = None, argument: str = "gradient_checkpointing_kwargs"
                                    ) -> RegionOptions:
@@ -160,7 +170,7 @@ class EngineCheckpointFunction:
     """A ``_gradient_checkpointing_func`` that runs the engine with fixed ``options``."""
 
     def __init__(self, options: RegionOptions) -> None:
-        self.options = options
+        self.options = named_hf(options)
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         owner = _owner(function)

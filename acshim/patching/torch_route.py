@@ -48,6 +48,7 @@ from .. import dropin
 from ..compiled import TracedCall
 from ..facades._env import offload_storage
 from ..region import TORCH_CHECKPOINT
+from ..region_dialect import made_by
 from ..selective import honour_offload
 from ..storage import BoundaryOffload, boundary_offload, get_defaults
 
@@ -78,6 +79,9 @@ class _Routes:
 
 
 _routes = _Routes()
+
+DIALECT = "torch.utils.checkpoint"
+"""How ``acshim run --report`` and the ``--budget`` plan name the regions routed here."""
 
 POLICY_ORIGIN = "torch.utils.checkpoint policy"
 """How ``acshim run --report`` names the storage scope of torch's offload policies."""
@@ -123,7 +127,8 @@ def routed_checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: b
         return TORCH_CHECKPOINT(function, *args, use_reentrant=use_reentrant, **kwargs)
     if policy and not use_reentrant:  # torch's reentrant variant rejects a context_fn: its error, below
         kwargs["context_fn"] = honour_offload(kwargs["context_fn"], policy_scope())
-    return dropin.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+    with made_by(DIALECT):
+        return dropin.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
 def route_torch_checkpoint(callers: tuple[str, ...] | None = None) -> bool:

@@ -41,6 +41,7 @@ from torch import nn
 from .. import region as engine
 from ..options import RegionOptions
 from ..region import owning_module, run_region_now
+from ..region_dialect import ENGINE
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
@@ -70,7 +71,6 @@ from .sites import (
     RegionSite,
     describe,
     device_of,
-    dialect_of_caller,
     model_on_stack,
     rank,
     sharded_by,
@@ -237,8 +237,9 @@ class PlanSession:
         if index < len(self.sites):
             return self.sites[index]
         owner = owning_module(function)
-        # a facade that made the region marks its module (acshim_dialect); else the API that called it
-        site = RegionSite(function, owner, getattr(owner, "acshim_dialect", None) or dialect_of_caller(),
+        # a facade that made the region marks its module (acshim_dialect) or names itself in the
+        # region's options (RegionOptions.dialect, see acshim.region_dialect); else the engine's API
+        site = RegionSite(function, owner, getattr(owner, "acshim_dialect", None) or options.dialect or ENGINE,
                           describe(options))
         self.sites.append(site)
         return site

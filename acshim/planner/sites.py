@@ -1,5 +1,6 @@
 """The regions of a step and the model they run in, found from the call stack (the script is not
-changed, so nothing tells the planner which module is the model or which API made a region call)."""
+changed, so nothing tells the planner which module is the model; which API made a region call its
+facade says, ``acshim.region_dialect``)."""
 
 from __future__ import annotations
 
@@ -72,45 +73,6 @@ def outermost_module_on_stack() -> nn.Module | None:
     engine, FSDP, DDP): where a training step's forward starts as the script sees it."""
     calls = _module_calls()
     return calls[-1].f_locals["self"] if calls else None
-
-
-_ENGINE_MODULES = ("acshim.region", "acshim.discard", "acshim.report", "acshim.planner", "acshim.compiled", "acshim.dropin",
-                   "acshim.wrap", "acshim.structures", "torch.", "functools", "contextlib")
-
-
-def dialect_of_caller() -> str:
-    """Which API made the region call: the nearest caller outside the engine (and torch) is a facade
-    (its dialect), ``acshim.hf`` (``hf``) or anything else (``acshim``)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not (name.startswith(_ENGINE_MODULES) or name == "torch"):
-            if name == "acshim.patching.torch_route":
-                return "torch.utils.checkpoint"
-            if name.startswith("acshim.facades."):
-                named = _dialect_named_by_wrapper(frame)
-                if named is not None:
-                    return named
-                parts = name.split(".")
-                return "torch.sagemaker" if parts[2:4] == ["torch", "sagemaker"] else (
-                    "torch checkpoint_wrapper" if parts[2] == "torch" else parts[2])
-            return "hf" if name.startswith("acshim.hf") else "acshim"
-        frame = frame.f_back
-    return "acshim"
-
-
-def _dialect_named_by_wrapper(frame: types.FrameType | None, depth: int = 4) -> str | None:
-    """``acshim_dialect`` of the wrapper module whose ``forward`` made the call (set by the facade
-    that saw a library, e.g. Lightning, apply it), looked for in the next ``depth`` frames."""
-    for _ in range(depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        named = getattr(owner, "acshim_dialect", None) if isinstance(owner, nn.Module) else None
-        if isinstance(named, str):
-            return named
-        frame = frame.f_back
-    return None
 
 
 def describe(options: RegionOptions) -> str:

@@ -2,7 +2,7 @@
 (memory_budget=b)`` (upstream: only ``torch._functorch.config.activation_memory_budget``, nothing in
 eager mode) honoured in eager by acshim's planner with ``b`` as torch means it (0.0 full recompute's
 activation memory, 1.0 no checkpointing's); ``FullAC`` and ``SelectiveAC`` on the engine through
-torch's ``checkpoint_wrapper``; gradients bitwise equal to no checkpointing in every case. The real
+torch's ``checkpoint_wrapper``, reported as torchtitan's; gradients bitwise equal to no checkpointing in every case. The real
 torchtitan runs in subprocesses (the patches are process-wide)."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def test_config_keys_are_torchtitan_0_3s() -> None:
     assert {f.name for f in dataclasses.fields(titan.MemoryBudgetAC.Config)} == base | {
         "memory_budget", "visualize_memory_budget_pareto"}
     assert callable(titan.MemoryBudgetAC.apply)  # what acshim.facades.torchtitan patches
+    assert "apply" in vars(titan.ActivationCheckpointing)  # and FullAC's and SelectiveAC's, inherited
 
 
 SCRIPT = '''
@@ -152,7 +153,7 @@ def _recomputes(stderr: str, dialect: str) -> int:
 def test_full_and_selective_configs_run_on_the_engine_bitwise(runs) -> None:
     for name in ("full", "selective"):
         assert runs[name]["grads"] == runs["none"]["grads"], name  # every step, bitwise
-        assert _recomputes(runs[name]["stderr"], "torch checkpoint_wrapper") == 3 * 8, name
+        assert _recomputes(runs[name]["stderr"], "torchtitan") == 3 * 8, name  # FullAC/SelectiveAC build the wrappers
     assert runs["full"]["peak"] < runs["selective"]["peak"] < runs["none"]["peak"], {k: v["peak"] for k, v in runs.items()}
 
 

@@ -6,8 +6,9 @@ which the compiler's partitioner reads: in eager mode it does nothing. Under ``a
 ``acshim run`` with torchtitan installed, ``apply`` is replaced in place: every block of
 ``model.layers`` becomes a region and the planner chooses per block (keep / selective / recompute /
 offload) within the budget as torch means it (see ``acshim.planner.budget.BetweenBudget``).
-``FullAC`` and ``SelectiveAC`` need nothing here: they call torch's ``checkpoint_wrapper``, which
-acshim's ``torch`` dialect serves. Nothing is served when torchtitan is absent.
+``FullAC`` and ``SelectiveAC`` call torch's ``checkpoint_wrapper``, which acshim's ``torch`` dialect
+serves; their ``apply`` (the base class's) runs as upstream's, only naming torchtitan as the API
+that built those wrappers (``acshim run --report``). Nothing is served when torchtitan is absent.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ __version__ = "0.3.0+acshim"
 ACSHIM_PATCHES: list[tuple[str, str, str]] = [
     ("torchtitan.distributed.activation_checkpoint", "MemoryBudgetAC.apply",
      "acshim.facades.torchtitan.distributed.activation_checkpoint.memory_budget_apply"),
+    ("torchtitan.distributed.activation_checkpoint", "ActivationCheckpointing.apply",
+     "acshim.facades.torchtitan.distributed.activation_checkpoint.policy_apply"),
 ]
 
 __all__ = ["ACSHIM_PATCHES"]

@@ -25,9 +25,10 @@ from torch import nn
 
 from acshim.options import RegionOptions
 from acshim.planner.budget import BetweenBudget
+from acshim.region_dialect import made_by
 from acshim.wrap import checkpoint_module
 
-__all__ = ["memory_budget_apply"]
+__all__ = ["memory_budget_apply"]  # policy_apply is upstream's own apply, named torchtitan in the report
 
 DIALECT = "torchtitan"
 
@@ -48,11 +49,21 @@ def memory_budget_apply(policy: Any, model: nn.Module) -> None:
         torch._functorch.config.visualize_memory_budget_pareto = True
     torch._functorch.config.activation_memory_budget = config.memory_budget
     options = RegionOptions(preserve_rng_state=config.preserve_rng_state,
-                            determinism_check=config.determinism_check, debug=config.debug)
+                            determinism_check=config.determinism_check, debug=config.debug, dialect=DIALECT)
     for _, block in model.get_submodule("layers").named_children():
         checkpoint_module(block, options)
         block.acshim_dialect = DIALECT  # what --report names the region's API
     _plan_within(budget)
+
+
+def policy_apply(policy: Any, model: nn.Module) -> None:
+    """``ActivationCheckpointing.apply(model)`` (the one ``FullAC`` and ``SelectiveAC`` inherit):
+    upstream's own, with the ``checkpoint_wrapper`` regions it builds reported as torchtitan's."""
+    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
+
+    upstream = vars(ActivationCheckpointing)["apply"]
+    with made_by(DIALECT):
+        getattr(upstream, "__wrapped__", upstream)(policy, model)  # under acshim.install(): the original
 
 
 def _plan_within(budget: BetweenBudget) -> None:

@@ -39,6 +39,9 @@ _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
 _DEFAULT_STATE_NAME = "default-rng"
 
+DIALECT = "megatron"
+"""How ``acshim run --report`` names this facade's regions."""
+
 GRAD_ERROR = "Checkpointing is not compatible with .grad(), please use .backward() if possible"
 
 logger = logging.getLogger("acshim.facades.megatron")
@@ -241,7 +244,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     ``torch.autograd.grad`` reaches it. ``distribute_saved_activations`` with more than one
     tensor-parallel rank: each rank keeps 1/TP of ``args[0]`` (flat, upstream's layout) and the
     group all-gathers it before the recompute."""
-    options = RegionOptions(reentrant=True, preserve_rng_state=True, grad_error_message=GRAD_ERROR)
+    options = RegionOptions(reentrant=True, preserve_rng_state=True, grad_error_message=GRAD_ERROR, dialect=DIALECT)
     partition = _distributed_first_input(args) if distribute_saved_activations else None
     if partition is None:
         return run_region(function, args, None, options)
@@ -274,7 +277,7 @@ class CheckpointWithoutOutput:
             raise ValueError(f"CheckpointWithoutOutput(fp8={fp8!r}): Transformer Engine's fp8 recompute is not "
                              "served by acshim; run without fp8 or without acshim")
         self.fp8 = False
-        self._region = DiscardedOutputRegion()
+        self._region = DiscardedOutputRegion(DIALECT)
 
     def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
         """The call's output; nothing inside ``run_function`` is kept for backward."""

@@ -35,10 +35,14 @@ from acshim.facades.torch.distributed.algorithms._checkpoint.checkpoint_wrapper 
 from acshim.facades.torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper as ptd_checkpoint_wrapper,
 )
+from acshim.region_dialect import made_by
 
 from .activation_checkpointing_variants import ActivationCheckpointingVariants
 
 _ops = torch.ops
+
+DIALECT = "modalities"
+"""How ``acshim run --report`` names the regions of the wrappers built here."""
 
 
 def print_rank_0(message: str) -> None:
@@ -78,11 +82,12 @@ def apply_activation_checkpointing_fsdp1_inplace(model: nn.Module, activation_ch
             f"activation_checkpointing_modules: no module of class {', '.join(map(repr, unknown))} in the model; "
             "list class names of modules the model contains (e.g. its transformer block class)")
     non_reentrant_wrapper = partial(ptd_checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, debug=False)
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=non_reentrant_wrapper,
-        check_fn=lambda submodule: is_module_to_apply_activation_checkpointing(submodule, module_types),
-    )
+    with made_by(DIALECT):  # the wrappers' regions are reported as Modalities'
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=non_reentrant_wrapper,
+            check_fn=lambda submodule: is_module_to_apply_activation_checkpointing(submodule, module_types),
+        )
 
 
 def _variant(ac_variant: Any) -> ActivationCheckpointingVariants:
@@ -136,9 +141,10 @@ class ActivationCheckpointing:
 
         children = list(layers.named_children())
         print_rank_0(f"Applying activation checkpointing to {len(children)} layers...")
-        for layer_id, transformer_block in children:
-            print_rank_0(f"Applying activation checkpointing to {layer_id}...")
-            layers.register_module(layer_id, wrap(transformer_block))
+        with made_by(DIALECT):  # the wrappers' regions are reported as Modalities'
+            for layer_id, transformer_block in children:
+                print_rank_0(f"Applying activation checkpointing to {layer_id}...")
+                layers.register_module(layer_id, wrap(transformer_block))
 
     @staticmethod
     def _apply_full_ac(module: nn.Module) -> nn.Module:

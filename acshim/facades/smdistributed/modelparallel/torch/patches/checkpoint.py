@@ -41,12 +41,16 @@ from ..state_mod import state
 __all__ = ["checkpoint", "checkpoint_sequential", "set_activation_checkpointing"]
 
 
+DIALECT = "smdistributed"
+"""How ``acshim run --report`` names SMP v1's regions."""
+
+
 def region_options(preserve_rng_state: bool = True) -> RegionOptions:
     """Engine options for an SMP region: reentrant, RNG as asked, host offload when the config has it."""
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
     return RegionOptions(reentrant=True, preserve_rng_state=preserve_rng_state,
-                         saved_tensors_scope=state.offload_scope())
+                         saved_tensors_scope=state.offload_scope(), dialect=DIALECT)
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:

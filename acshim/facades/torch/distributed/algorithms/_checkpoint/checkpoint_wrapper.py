@@ -36,6 +36,7 @@ from acshim.dropin import checkpoint as acshim_checkpoint
 from acshim.dropin import noop_context_fn
 from acshim.facades.torch.distributed import ACSHIM_PATCHES  # this module is the torch dialect's facade root
 from acshim.options import RegionOptions
+from acshim.region_dialect import current, made_by
 
 from ._storage import host_boundary_offload, offload_scope
 
@@ -55,6 +56,10 @@ _CHECKPOINT_WRAPPED_MODULE: str = _torch_wrapper._CHECKPOINT_WRAPPED_MODULE
 _CHECKPOINT_PREFIX: str = _torch_wrapper._CHECKPOINT_PREFIX
 
 
+DIALECT = "torch checkpoint_wrapper"
+"""How ``acshim run --report`` names this facade's regions, unless a library that builds the
+wrappers for its users names itself (``region_dialect.made_by``: Modalities, torchtitan, Lightning)."""
+
 _REGION_KEYWORDS = ("preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn")
 
 
@@ -73,6 +78,7 @@ class CheckpointWrapper(_TorchCheckpointWrapper):
     ``checkpoint_impl``: ``CheckpointImpl.NO_REENTRANT`` (default) or ``REENTRANT``; ignored by a custom
     ``checkpoint_fn`` except that keyword arguments are then packed into positional ones, as upstream.
     ``checkpoint_fn_kwargs`` go to ``checkpoint_fn`` (default: ``acshim.checkpoint``).
+    ``acshim_dialect``: the API its regions are reported as (``DIALECT``, or the library that built it).
     """
 
     def __init__(self, mod: nn.Module, checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT,
@@ -86,6 +92,7 @@ class CheckpointWrapper(_TorchCheckpointWrapper):
             _check_checkpoint_kwargs(checkpoint_impl, checkpoint_fn_kwargs)
         ActivationWrapper.__init__(self, mod)
         self.checkpoint_impl = checkpoint_impl
+        self.acshim_dialect = current() or DIALECT
         self._inputs_scope = None
         if checkpoint_fn is None and checkpoint_fn_kwargs.pop("offload_to_cpu", False):
             self._inputs_scope = host_boundary_offload()
@@ -97,7 +104,7 @@ class CheckpointWrapper(_TorchCheckpointWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         scope = self._inputs_scope() if self._inputs_scope is not None else contextlib.nullcontext()
-        with scope:
+        with scope, made_by(getattr(self, "acshim_dialect", DIALECT)):
             if self.checkpoint_impl == CheckpointImpl.REENTRANT and kwargs:
                 # Reentrant checkpoint functions take positional inputs only: pack the keyword
                 # values in (so tensors among them get gradients) and unpack inside the region.
@@ -163,13 +170,10 @@ def apply_activation_checkpointing(
     for name, value in (("checkpoint_wrapper_fn", checkpoint_wrapper_fn), ("check_fn", check_fn)):
         if not callable(value):
             raise TypeError(f"apply_activation_checkpointing: {name} must be callable, got {value!r}")
-    _torch_apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper_fn, check_fn=check_fn,
-                                          auto_wrap_policy=auto_wrap_policy)
     dialect = _calling_dialect()
-    if dialect is not None:
-        for module in model.modules():
-            if isinstance(module, ActivationWrapper) and not hasattr(module, "acshim_dialect"):
-                module.acshim_dialect = dialect  # what ``acshim run --report`` names these regions
+    with made_by(dialect) if dialect is not None else contextlib.nullcontext():  # names the wrappers built
+        _torch_apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper_fn, check_fn=check_fn,
+                                              auto_wrap_policy=auto_wrap_policy)
 
 
 # Libraries that call apply_activation_checkpointing for their users, by the config they read it from.
@@ -179,7 +183,9 @@ _CALLING_DIALECTS = {"lightning": "lightning FSDPStrategy", "pytorch_lightning":
 
 def _calling_dialect() -> str | None:
     """The dialect of the library that called ``apply_activation_checkpointing`` (Lightning's
-    ``FSDPStrategy(activation_checkpointing_policy=...)``), None for a user's own call."""
+    ``FSDPStrategy(activation_checkpointing_policy=...)``), None for a user's own call. The one
+    caller acshim finds from the stack (a frame, once per call, not per region): Lightning has no
+    facade of its own to say so with ``region_dialect.made_by``."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(("acshim.", "wrapt")):
         frame = frame.f_back
