@@ -22,6 +22,7 @@ path is tested on a one-rank gloo group in test_modalities.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,20 @@ def test_modalities_config_variants_give_the_raw_model_losses_and_gradients(moda
     for name, model in models.items():
         assert wrapped_names(model), name
         assert_bitwise_equal(expected, step(model, ids))
+
+
+def test_report_names_the_regions_modalities_built(modalities_main):
+    """``acshim run --report`` names the regions of the wrappers Modalities' config built
+    ``modalities`` (the facade says so), not ``torch checkpoint_wrapper``."""
+    from acshim import report
+
+    model = build(modalities_main, "full")
+    recorder = report.start()
+    try:
+        step(model, token_ids())
+        rendered = recorder.render()
+    finally:
+        report.stop()
+    per_dialect = rendered.split("acshim report: per dialect", 1)[1].split("acshim report:", 1)[0]
+    assert re.findall(r"^  (.+?)\s+4 region\(s\), 4 forwards, 4 recomputes", per_dialect, re.M) == ["modalities"], \
+        rendered
