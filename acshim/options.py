@@ -64,7 +64,8 @@ class RegionOptions:
 
     dialect: str | None = field(default=None, compare=False)
     """The API that made the region (a facade sets its dialect, e.g. ``"deepspeed"``), as
-    ``acshim run --report`` names it; None: found from the caller. Changes nothing in the region."""
+    ``acshim run --report`` and the ``--budget`` plan name it; None: the engine's own API (``"acshim"``,
+    see ``acshim.region_dialect``). Changes nothing in the region."""
 
     def __post_init__(self) -> None:
         check_options(self)
