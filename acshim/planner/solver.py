@@ -59,6 +59,12 @@ UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
 RISK = 0.01
 """Premium, as a share of a block's computing time, charged for offloading it (see the docstring)."""
+TIE = 0.03
+"""Near-tie tolerance, as a share of a block's (or the outside part's) computing time: a choice
+counts as faster than one before it in ``PREFERENCE`` only by more than this (``_near_ties``)."""
+PREFERENCE = ("keep", "selective", "selective-alt", "recompute", "offload", "recompute+offload")
+"""The fixed order near-ties go by, fewer moving parts first: computing before moving data, and of
+the computing choices, the one recomputing least first (tiers of one kind in the order listed)."""
 NOISE = 0.03
 """A chunked head predicted faster by less than this share is not taken (``solve``)."""
 
@@ -171,20 +177,61 @@ def minimum_peak(profile: Profile) -> int:
     return low
 
 
+def _rank(choices: list[str]) -> list[int]:
+    """Each choice's place in ``PREFERENCE`` (by its kind, then the order listed; an unknown kind,
+    such as the outside part's ``loss`` or ``head``, after every known one, in the order listed)."""
+    def key(index: int) -> tuple[int, int]:
+        kind = choices[index].split(":")[0]
+        return (PREFERENCE.index(kind) if kind in PREFERENCE else len(PREFERENCE), index)
+    order = sorted(range(len(choices)), key=key)
+    return [order.index(i) for i in range(len(choices))]
+
+
+def _near_ties(values: list[float], rank: list[int], tolerance: float) -> list[float]:
+    """``values`` (one part's per choice; inf: not usable) with each raised to the value of a choice
+    before it in ``rank`` that is at most ``tolerance`` above it: a choice beats one it comes after
+    only by more than the tolerance, and within it the choice first in the order wins (``_objective``
+    ranks it first among exact ties). Each is raised by at most ``tolerance``."""
+    tied = list(values)
+    for index in sorted(range(len(values)), key=rank.__getitem__):
+        if not math.isfinite(values[index]):
+            continue
+        before = [tied[j] for j in range(len(values)) if rank[j] < rank[index] and math.isfinite(tied[j])
+                  and tied[j] <= values[index] + tolerance]
+        tied[index] = max([values[index], *before])
+    return tied
+
+
 def _objective(profile: Profile, choices: list[str]) -> np.ndarray:
     """Per block and choice, the seconds the solver minimises: the predicted time, plus the risk
-    premium for offloading (``RISK`` of the block's fastest computing choice)."""
+    premium for offloading (``RISK`` of the block's fastest computing choice), near-ties raised
+    (``_near_ties``, ``TIE`` of that time), in whole microseconds."""
+    rank = _rank(choices)
     rows = []
     for block in profile.blocks:
         computing = [block.seconds[c] for c in choices if not is_offload(c) and feasible(block, c)]
-        premium = RISK * (min(computing) if computing else min(block.seconds[c] for c in choices))
+        reference = min(computing) if computing else min(block.seconds[c] for c in choices)
         # every choice does keep's work and more (recompute, copies): one measured faster is noise
         floor = block.seconds["keep"] if "keep" in block.seconds and feasible(block, "keep") else 0.0
-        rows.append([max(block.seconds[c], floor) + (premium if "offload" in c else 0.0) for c in choices])
+        values = [max(block.seconds[c], floor) + (RISK * reference if "offload" in c else 0.0)
+                  if feasible(block, c) else math.inf for c in choices]
+        rows.append(_near_ties(values, rank, TIE * reference))
     # Whole microseconds: their sums are exact in float64 whatever the order, so assignments that
     # differ only in which identical block takes which choice tie exactly and the first one found wins
     # (with fractional seconds, rounding in the sums picked one at random, run to run).
     return np.round(np.array(rows) * 1e6)
+
+
+def _scale(profile: Profile, choices: list[str]) -> int:
+    """The base ``_ranked`` writes time in: above any sum of places over the blocks and the outside part."""
+    return (len(profile.blocks) + 1) * (max(len(choices), len(profile.outside) + 1))
+
+
+def _ranked(profile: Profile, choices: list[str]) -> np.ndarray:
+    """``_objective`` with each choice's place in ``PREFERENCE`` as the least significant digits (base
+    ``_scale``): least time first, then, among exact ties (near-ties raised to one value), the
+    choices first in the order, whatever their bytes. Integers below 2**53: sums stay exact."""
+    return _objective(profile, choices) * _scale(profile, choices) + np.array(_rank(choices))
 
 
 def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[str] | None = None
@@ -208,7 +255,7 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
                     dtype=np.int64)
     transient = np.array([[_up(b.transient[c], unit) if feasible(b, c) else 0 for c in choices]
                           for b in profile.blocks], dtype=np.int64)
-    seconds = _objective(profile, choices)
+    seconds = _ranked(profile, choices)
     offloads = [is_offload(c) for c in choices]
     most = int(held.max(axis=1).sum())
     size = min(size, most + int(transient.max()) + window)
@@ -268,10 +315,26 @@ def _outside_seconds(profile: Profile, outside: str) -> float:
     return seconds
 
 
+def _outside_ranked(profile: Profile, choices: list[str]) -> dict[str, float]:
+    """Per measured choice for the part outside the blocks, what ``_ranked`` is for a block's: its
+    seconds (``_outside_seconds``) plus the risk premium when offloaded, near-ties raised in the order
+    plain before chunked (``solve``), kept before offloaded, in whole microseconds, its place last."""
+    outsides = profile.outside_choices()
+    keep = profile.other("keep")[2]
+    order = sorted(range(len(outsides)), key=lambda i: (split_outside(outsides[i])[1] is not None,
+                                                          is_offload(outsides[i]), i))
+    rank = [order.index(i) for i in range(len(outsides))]
+    values = _near_ties([_outside_seconds(profile, o) + (RISK * keep if is_offload(o) else 0.0) for o in outsides],
+                        rank, TIE * keep)
+    scale = _scale(profile, choices)
+    return {o: float(np.round(1e6 * v)) * scale + r for o, v, r in zip(outsides, values, rank, strict=True)}
+
+
 def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> tuple[float, Solution] | None:
     """``(objective, solution)`` of the least-objective assignment fitting ``budget``."""
     best: tuple[float, Solution] | None = None
-    table = _objective(profile, choices)
+    table = _ranked(profile, choices)
+    outside_table = _outside_ranked(profile, choices)
     for outside in outsides:
         picked = _search(profile, budget, outside, choices)
         if picked is None:
@@ -279,8 +342,7 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
         names = [choices[i] for i in picked]
         found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
                          profile.seconds_of(names, outside), outside)
-        objective = float(table[np.arange(len(names)), picked].sum()) + float(np.round(1e6 * (
-            _outside_seconds(profile, outside) + (RISK * profile.other("keep")[2] if is_offload(outside) else 0.0))))
+        objective = float(table[np.arange(len(names)), picked].sum()) + outside_table[outside]
         if best is None or objective < best[0]:
             best = (objective, found)
     return best
