@@ -34,12 +34,26 @@ GPT-2 and Llama 8x512 the plans differed idle and busy at 0.47 and 0.35 of no ch
 between two idle runs; solved on the same profiles, the fastest plan did not. Before that, "an
 offloading plan gives way to the best one that does not within 3%" took recompute and selective at
 1.28x of no checkpointing where disk offload alone ran at 1.14x.)
-Exact ties go to the choice listed first (keep, selective, recompute before offload).
+
+Near-ties. Two choices of one block measured a fraction of a percent of the step apart (HF GPT-2
+8x384 at --budget 0.3: selective 254.6 ms, offload:disk 256.1 ms, 1.7% of keep's time apart with the
+premium; 2-8% in other runs, idle and busy) were decided by which was measured faster, so the plan
+differed between processes. A choice now beats one before it in ``PREFERENCE`` (keep, selective,
+selective-alt, recompute, offload, recompute+offload: fewer moving parts first) only by more than
+``TIE`` (3%) of the block's computing time: within that, its value is raised to the other's
+(``_near_ties``) and the order, the objective's least significant digits, decides, whichever of the
+two was measured faster. Per block, against fixed values: unlike "the least peak within 3% of the
+fastest", nothing is minimised inside the band, so the solver never seeks its edge; a plan flips only
+where a difference measured within noise of 3% of a block's time is, and the plan it takes instead is
+at most that much slower per block. The tolerance is a fixed share, not the spread measured in this
+run: a band that widened under load would itself make a busy machine plan otherwise. The part outside
+the blocks is treated alike (kept, then offloaded, then chunked heads). A larger budget never raises
+the objective; the predicted time may rise within near-ties (a preferred choice that now fits).
 
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
 block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
 window) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
-rounded up, so a larger budget only ever adds feasible plans: the optimum's time never increases,
+rounded up, so a larger budget only ever adds feasible plans: the optimum's objective never increases,
 and the prediction errs towards more memory.
 """
 
@@ -59,6 +73,12 @@ UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
 RISK = 0.01
 """Premium, as a share of a block's computing time, charged for offloading it (see the docstring)."""
+TIE = 0.03
+"""Near-tie tolerance, as a share of a block's (or the outside part's) computing time: a choice
+counts as faster than one before it in ``PREFERENCE`` only by more than this (``_near_ties``)."""
+PREFERENCE = ("keep", "selective", "selective-alt", "recompute", "offload", "recompute+offload")
+"""The fixed order near-ties go by, fewer moving parts first: computing before moving data, and of
+the computing choices, the one recomputing least first (tiers of one kind in the order listed)."""
 NOISE = 0.03
 """A chunked head predicted faster by less than this share is not taken (``solve``)."""
 
@@ -171,20 +191,61 @@ def minimum_peak(profile: Profile) -> int:
     return low
 
 
+def _rank(choices: list[str]) -> list[int]:
+    """Each choice's place in ``PREFERENCE`` (by its kind, then the order listed; an unknown kind,
+    such as the outside part's ``loss`` or ``head``, after every known one, in the order listed)."""
+    def key(index: int) -> tuple[int, int]:
+        kind = choices[index].split(":")[0]
+        return (PREFERENCE.index(kind) if kind in PREFERENCE else len(PREFERENCE), index)
+    order = sorted(range(len(choices)), key=key)
+    return [order.index(i) for i in range(len(choices))]
+
+
+def _near_ties(values: list[float], rank: list[int], tolerance: float) -> list[float]:
+    """``values`` (one part's per choice; inf: not usable) with each raised to the value of a choice
+    before it in ``rank`` that is at most ``tolerance`` above it: a choice beats one it comes after
+    only by more than the tolerance, and within it the choice first in the order wins (``_objective``
+    ranks it first among exact ties). Each is raised by at most ``tolerance``."""
+    tied = list(values)
+    for index in sorted(range(len(values)), key=rank.__getitem__):
+        if not math.isfinite(values[index]):
+            continue
+        before = [tied[j] for j in range(len(values)) if rank[j] < rank[index] and math.isfinite(tied[j])
+                  and tied[j] <= values[index] + tolerance]
+        tied[index] = max([values[index], *before])
+    return tied
+
+
 def _objective(profile: Profile, choices: list[str]) -> np.ndarray:
     """Per block and choice, the seconds the solver minimises: the predicted time, plus the risk
-    premium for offloading (``RISK`` of the block's fastest computing choice)."""
+    premium for offloading (``RISK`` of the block's fastest computing choice), near-ties raised
+    (``_near_ties``, ``TIE`` of that time), in whole microseconds."""
+    rank = _rank(choices)
     rows = []
     for block in profile.blocks:
         computing = [block.seconds[c] for c in choices if not is_offload(c) and feasible(block, c)]
-        premium = RISK * (min(computing) if computing else min(block.seconds[c] for c in choices))
+        reference = min(computing) if computing else min(block.seconds[c] for c in choices)
         # every choice does keep's work and more (recompute, copies): one measured faster is noise
         floor = block.seconds["keep"] if "keep" in block.seconds and feasible(block, "keep") else 0.0
-        rows.append([max(block.seconds[c], floor) + (premium if "offload" in c else 0.0) for c in choices])
+        values = [max(block.seconds[c], floor) + (RISK * reference if "offload" in c else 0.0)
+                  if feasible(block, c) else math.inf for c in choices]
+        rows.append(_near_ties(values, rank, TIE * reference))
     # Whole microseconds: their sums are exact in float64 whatever the order, so assignments that
     # differ only in which identical block takes which choice tie exactly and the first one found wins
     # (with fractional seconds, rounding in the sums picked one at random, run to run).
     return np.round(np.array(rows) * 1e6)
+
+
+def _scale(profile: Profile, choices: list[str]) -> int:
+    """The base ``_ranked`` writes time in: above any sum of places over the blocks and the outside part."""
+    return (len(profile.blocks) + 1) * (max(len(choices), len(profile.outside) + 1))
+
+
+def _ranked(profile: Profile, choices: list[str]) -> np.ndarray:
+    """``_objective`` with each choice's place in ``PREFERENCE`` as the least significant digits (base
+    ``_scale``): least time first, then, among exact ties (near-ties raised to one value), the
+    choices first in the order, whatever their bytes. Integers below 2**53: sums stay exact."""
+    return _objective(profile, choices) * _scale(profile, choices) + np.array(_rank(choices))
 
 
 def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[str] | None = None
@@ -208,7 +269,7 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
                     dtype=np.int64)
     transient = np.array([[_up(b.transient[c], unit) if feasible(b, c) else 0 for c in choices]
                           for b in profile.blocks], dtype=np.int64)
-    seconds = _objective(profile, choices)
+    seconds = _ranked(profile, choices)
     offloads = [is_offload(c) for c in choices]
     most = int(held.max(axis=1).sum())
     size = min(size, most + int(transient.max()) + window)
@@ -268,10 +329,26 @@ def _outside_seconds(profile: Profile, outside: str) -> float:
     return seconds
 
 
+def _outside_ranked(profile: Profile, choices: list[str]) -> dict[str, float]:
+    """Per measured choice for the part outside the blocks, what ``_ranked`` is for a block's: its
+    seconds (``_outside_seconds``) plus the risk premium when offloaded, near-ties raised in the order
+    plain before chunked (``solve``), kept before offloaded, in whole microseconds, its place last."""
+    outsides = profile.outside_choices()
+    keep = profile.other("keep")[2]
+    order = sorted(range(len(outsides)), key=lambda i: (split_outside(outsides[i])[1] is not None,
+                                                          is_offload(outsides[i]), i))
+    rank = [order.index(i) for i in range(len(outsides))]
+    values = _near_ties([_outside_seconds(profile, o) + (RISK * keep if is_offload(o) else 0.0) for o in outsides],
+                        rank, TIE * keep)
+    scale = _scale(profile, choices)
+    return {o: float(np.round(1e6 * v)) * scale + r for o, v, r in zip(outsides, values, rank, strict=True)}
+
+
 def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> tuple[float, Solution] | None:
     """``(objective, solution)`` of the least-objective assignment fitting ``budget``."""
     best: tuple[float, Solution] | None = None
-    table = _objective(profile, choices)
+    table = _ranked(profile, choices)
+    outside_table = _outside_ranked(profile, choices)
     for outside in outsides:
         picked = _search(profile, budget, outside, choices)
         if picked is None:
@@ -279,8 +356,7 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
         names = [choices[i] for i in picked]
         found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
                          profile.seconds_of(names, outside), outside)
-        objective = float(table[np.arange(len(names)), picked].sum()) + float(np.round(1e6 * (
-            _outside_seconds(profile, outside) + (RISK * profile.other("keep")[2] if is_offload(outside) else 0.0))))
+        objective = float(table[np.arange(len(names)), picked].sum()) + outside_table[outside]
         if best is None or objective < best[0]:
             best = (objective, found)
     return best
