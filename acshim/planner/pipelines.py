@@ -107,7 +107,9 @@ def _deepspeed_held(stage: PipelineStage, inputs: int, outputs: int) -> Schedule
     ``num_pipe_buffers`` slots each keep, until the slot is used again, a received (or loaded) input,
     on the last stage its labels, the output and (not on the first stage) the input's gradient sent
     back (measured: 4 tensors a slot on the last stage of the test model stay after its backward);
-    a stage not first receives into one more buffer (``pipe_recv_buf``) and copies it into its slot;
+    a stage not first receives into one more buffer (``pipe_recv_buf``) and copies it into its slot,
+    the copy made while the slot still holds its previous input (``_exec_recv_activations``; the
+    first stage's ``_exec_load_micro_batch`` alike);
     ``_exec_forward_pass`` runs the module on a clone of the input; the output's gradient is received
     into ``grad_layer``, or on the last stage made by the loss's backward (``mse_loss``'s makes the
     difference and its scaled gradient: two output-sized tensors); ``_exec_load_micro_batch`` reads a whole
@@ -123,6 +125,7 @@ def _deepspeed_held(stage: PipelineStage, inputs: int, outputs: int) -> Schedule
     return ScheduleHeld([
         (f"{buffers} buffer slots (input, labels, output, input gradient)", buffers * slot),
         ("receive buffer", 0 if stage.first else inputs),
+        ("a slot's next input, made before its last is let go", inputs),
         (f"{stage.in_flight} input copies", stage.in_flight * inputs),
         ("output gradient", 0 if stage.last else outputs),
         ("the loss's backward (its gradient and a temporary)", 2 * outputs if stage.last else 0),

@@ -865,24 +865,25 @@ def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[
     """One microbatch's output bytes of a pipeline stage module: torch's ``PipelineStage`` knows its
     outputs' shapes (``get_outputs_meta``, from its shape inference); else the module runs once on
     fake tensors (nothing allocated, regions as plain calls); else its inputs' bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
     from .pipelines import tensor_bytes
+
+    def size(value: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
     meta = getattr(stage.owner, "_outputs_meta", None)
     if meta is not None:
-        return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_flatten(meta)[0]
-                   if isinstance(t, torch.Tensor))
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_map
-
+        return size(meta)
     previous, position = session.mode, session.position
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+    try:  # the script's RNG and region counts stay as they were
+        with _counters_paused(), torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) \
+                as mode, torch.no_grad():
             fake_args, fake_kwargs = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
                                               (args, kwargs))
             session.mode = "plain"
-            output = stage.module(*fake_args, **fake_kwargs)
-            return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_flatten(output)[0]
-                       if isinstance(t, torch.Tensor))
+            return size(stage.module(*fake_args, **fake_kwargs))
     except Exception:  # a forward that depends on values, or an operator without a fake kernel
         return tensor_bytes((args, kwargs))
     finally:
