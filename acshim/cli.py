@@ -274,6 +274,9 @@ def _end_of_plan(flags: RunFlags, session: Any) -> int:
         from .patching.runner import print_error_line
 
         print_error_line(ended)
+    line = session.rank_summary() if session is not None and getattr(session, "pipeline", None) else None
+    if line:  # a pipeline rank: its budget, predicted and measured peak for the whole run
+        print(line, file=sys.stderr, flush=True)
     return 0
 
 

@@ -1,11 +1,15 @@
 """The pipeline stage a region call runs in, found explicitly from the schedule on the call stack.
 
 On a pipeline every rank runs its own stage's layers, so ``acshim run --budget`` plans each rank
-alone (its stage's regions, its own baseline, the same budget; no agreement across ranks) and charges
-each microbatch the schedule keeps alive at once on that stage (``in_flight``): the stage is
-planned for one microbatch within ``budget / in_flight``. A microbatch's step (forward and
-backward) never holds more than its verified peak, and at most ``in_flight`` of them hold their
-activations at once, so the stage stays within the budget.
+alone (its stage's regions, its own baseline, the same budget; no agreement across ranks). The
+rank's budget pays first for what the schedule itself holds outside the stage module
+(``ScheduleHeld``: receive and gradient buffers, the loaded batch and labels, the forward's copy of
+its inputs, the outputs kept for backward, the gradients sent back), computed from the stage's
+input and output sizes and the schedule's own counts; the rest is shared by the microbatches the
+schedule keeps alive at once on that stage (``in_flight``): the stage is planned for one microbatch
+within ``(budget - held) / in_flight``. A microbatch's step (forward and backward) never holds more
+than its verified peak, at most ``in_flight`` of them hold their activations at once, and the
+schedule holds at most ``held`` besides, so the rank stays within the budget.
 
 Recognised (the schedules' own objects, never guessed from shapes):
 - DeepSpeed's ``PipelineEngine`` (``deepspeed/runtime/pipe/engine.py``): its ``TrainSchedule`` is
@@ -26,6 +30,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 _CALL_CODES = {nn.Module._call_impl.__code__, getattr(nn.Module, "_wrapped_call_impl", nn.Module._call_impl).__code__}
@@ -45,10 +50,105 @@ class PipelineStage:
     microbatches: int
     in_flight: int
     """Microbatches whose activations the schedule keeps alive at once on this stage."""
+    owner: Any = None
+    """The schedule's object (DeepSpeed's engine, torch's ``PipelineStage``) its counts are read from."""
 
     def describe(self) -> str:
         return (f"{self.library} stage {self.stage} of {self.stages}, {self.schedule} schedule, {self.microbatches} "
                 f"microbatches: up to {self.in_flight} alive at once")
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def held(self, output_bytes: int) -> ScheduleHeld:
+        """What the schedule holds outside the stage module at most, for a stage whose output (one
+        microbatch's) takes ``output_bytes``."""
+        inputs = tensor_bytes((self.args, self.kwargs))
+        if self.library.startswith("DeepSpeed"):
+            return _deepspeed_held(self, inputs, output_bytes)
+        return _torch_held(self, inputs, output_bytes)
+
+
+@dataclass
+class ScheduleHeld:
+    """Bytes a pipeline schedule holds on a rank besides its stage module's saved activations, by part."""
+
+    parts: list[tuple[str, int]]
+
+    @property
+    def total(self) -> int:
+        return sum(size for _, size in self.parts)
+
+    def describe(self) -> str:
+        from .budget import format_bytes
+
+        return " + ".join(f"{format_bytes(size)} {what}" for what, size in self.parts if size) or "nothing"
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the distinct tensor storages in a nest of tuples, lists and dicts."""
+    from torch.utils._pytree import tree_flatten
+
+    seen: dict[Any, int] = {}
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            storage = leaf.untyped_storage()
+            seen[(storage.data_ptr(), leaf.device)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _deepspeed_held(stage: PipelineStage, inputs: int, outputs: int) -> ScheduleHeld:
+    """DeepSpeed ``PipelineEngine`` (``deepspeed/runtime/pipe/engine.py``): ``pipe_buffers`` of
+    ``num_pipe_buffers`` slots each keep, until the slot is used again, a received (or loaded) input,
+    on the last stage its labels, the output and (not on the first stage) the input's gradient sent
+    back (measured: 4 tensors a slot on the last stage of the test model stay after its backward);
+    a stage not first receives into one more buffer (``pipe_recv_buf``) and copies it into its slot,
+    the copy made while the slot still holds its previous input (``_exec_recv_activations``; the
+    first stage's ``_exec_load_micro_batch`` alike);
+    ``_exec_forward_pass`` runs the module on a clone of the input; the output's gradient is received
+    into ``grad_layer``, or on the last stage made by the loss's backward (``mse_loss``'s makes the
+    difference and its scaled gradient: two output-sized tensors); ``_exec_load_micro_batch`` reads a whole
+    (inputs, labels) batch from the iterator and drops the half this stage does not use."""
+    engine = stage.owner
+    buffers = len(getattr(engine, "pipe_buffers", {}).get("inputs", ())) or max(2, stage.in_flight)
+    labels = 0
+    if stage.last and engine is not None:
+        labels = max((tensor_bytes(slot) for slot in engine.pipe_buffers.get("labels", ()) if slot is not None),
+                     default=0)
+    loaded = labels if stage.first else inputs if stage.last else 0  # the batch's other half, dropped
+    slot = inputs + labels + outputs + (0 if stage.first else inputs)
+    return ScheduleHeld([
+        (f"{buffers} buffer slots (input, labels, output, input gradient)", buffers * slot),
+        ("receive buffer", 0 if stage.first else inputs),
+        ("a slot's next input, made before its last is let go", inputs),
+        (f"{stage.in_flight} input copies", stage.in_flight * inputs),
+        ("output gradient", 0 if stage.last else outputs),
+        ("the loss's backward (its gradient and a temporary)", 2 * outputs if stage.last else 0),
+        ("the loaded batch's other half", loaded),
+    ])
+
+
+def _torch_held(stage: PipelineStage, inputs: int, outputs: int) -> ScheduleHeld:
+    """``torch.distributed.pipelining`` (``stage.py``): a stage not first has a receive buffer per
+    microbatch (``_create_act_recv_info``), each of which keeps its input's gradient until the step
+    ends (``clear_runtime_states``); a stage not last has a gradient receive buffer per microbatch
+    (``_create_grad_recv_info``); ``fwd_cache`` keeps each alive microbatch's output until its
+    backward, and the last stage keeps every microbatch's output (``output_chunks``) and runs the
+    loss's backward on it (two output-sized tensors, as for DeepSpeed)."""
+    count = stage.microbatches
+    return ScheduleHeld([
+        (f"{count} receive buffers", 0 if stage.first else count * inputs),
+        (f"{count} input gradients", 0 if stage.first else count * inputs),
+        (f"{count} gradient receive buffers", 0 if stage.last else count * outputs),
+        (f"{stage.in_flight} outputs kept for backward", 0 if stage.last else stage.in_flight * outputs),
+        (f"{count} outputs kept for the step", count * outputs if stage.last else 0),
+        ("the loss's backward (its gradient and a temporary)", 2 * outputs if stage.last else 0),
+    ])
 
 
 class UnplannedPipeline(ValueError):
@@ -88,7 +188,7 @@ def _deepspeed_stage(engine: Any, calls: list[types.FrameType]) -> PipelineStage
         return None
     stages, stage, microbatches = int(engine.num_stages), int(engine.stage_id), int(engine.micro_batches)
     return PipelineStage("DeepSpeed PipelineEngine", "1F1B", engine.module, *call, stage=stage, stages=stages,
-                         microbatches=microbatches, in_flight=max(1, min(stages - stage, microbatches)))
+                         microbatches=microbatches, in_flight=max(1, min(stages - stage, microbatches)), owner=engine)
 
 
 def _torch_stage(stage: Any, calls: list[types.FrameType], frame: types.FrameType) -> PipelineStage | None:
@@ -114,4 +214,4 @@ def _torch_stage(stage: Any, calls: list[types.FrameType], frame: types.FrameTyp
                                 "--budget counts the microbatches alive at once for Schedule1F1B and ScheduleGPipe "
                                 "only; use one of them, or drop --budget")
     return PipelineStage("torch.distributed.pipelining", name.removeprefix("Schedule"), stage.submod, *call,
-                         stage=index, stages=stages, microbatches=microbatches, in_flight=max(1, alive))
+                         stage=index, stages=stages, microbatches=microbatches, in_flight=max(1, alive), owner=stage)

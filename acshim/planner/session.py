@@ -61,7 +61,7 @@ from .estimate import step_peak
 from .feedback import StepTimer
 from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
-from .pipelines import PipelineStage, UnplannedPipeline, pipeline_on_stack
+from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
 from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
@@ -156,7 +156,14 @@ class PlanSession:
     """A sharded model's planner on its real steps (``lockstep``)."""
     pipeline: PipelineStage | None = None
     """This rank's pipeline stage (``pipelines``): planned alone, for one microbatch within the
-    budget divided by the microbatches its schedule keeps alive at once."""
+    budget less what the schedule holds, divided by the microbatches it keeps alive at once."""
+    schedule_held: ScheduleHeld | None = None
+    """What this rank's pipeline schedule holds outside its stage module (``pipelines``)."""
+    _resident_at_start: int = 0
+    _rank: int = 0
+    _rank_budget: int = 0
+    """A pipeline rank's whole budget in bytes (``_microbatch_share`` takes one microbatch's from it)."""
+    """``VmRSS`` when the baseline was read (a pipeline rank's measured peak is ``VmHWM`` above it)."""
 
     # ---------------------------------------------------------------------------------- lifetime
     @property
@@ -318,9 +325,10 @@ class PlanSession:
                 raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own first "
                                   "microbatch, and one stage ending there would leave the others waiting; run the "
                                   "script as acshim run --budget B (each stage's plan is logged)")
+            self.schedule_held = self.pipeline.held(_stage_output_bytes(self, self.pipeline, found[1], found[2]))
             fraction = _fraction(self.budget)
-            if fraction is None and self._budget_bytes is None:
-                self._budget_bytes = parse_budget(self.budget, 1) // self.pipeline.in_flight
+            if fraction is None and self._budget_bytes is None:  # what the schedule holds is paid first
+                self._budget_bytes = self._microbatch_share(parse_budget(self.budget, 1))
         sharded = sharded_by(found[0] if found is not None else None) if self.world > 1 and \
             self.pipeline is None else None
         if found is None:
@@ -333,6 +341,7 @@ class PlanSession:
             self._baseline = self._start.baseline
             self._start.stop()
             self._start = None
+        self._resident_at_start, self._rank = _status_bytes("VmRSS"), rank()
         self.root = root
         self._handle = root.register_forward_pre_hook(self._before_step, with_kwargs=True)
         shapes = input_shapes(root_args, root_kwargs)
@@ -466,8 +475,13 @@ class PlanSession:
                                      if self.memory == "process" else ""),)
                 raise
             self.stop()
-            hint = (f"; pass --budget {budget_at_least(error.suggested)} or more"
-                    if isinstance(error, BudgetTooSmall) and error.suggested else "")
+            suggested = error.suggested if isinstance(error, BudgetTooSmall) else 0
+            if suggested and self.pipeline is not None:  # the rank's budget: its schedule's part and each alive
+                held = self.schedule_held.total if self.schedule_held else 0
+                suggested = self.pipeline.in_flight * suggested + held
+                error = ValueError(f"{self.pipeline.describe()}: the schedule holds {format_bytes(held)} besides; "
+                                   f"one microbatch: {error}")
+            hint = f"; pass --budget {budget_at_least(suggested)} or more" if suggested else ""
             raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}{hint}") from None
         except BaseException:
             snapshot.restore()
@@ -494,12 +508,13 @@ class PlanSession:
                 profile = self.reuse if self.reuse is not None else self._profile(root, profiler, guard, limit)
                 fractional = limit is None and fraction is not None
                 if fractional:
-                    limit = _fraction_in_bytes(self.budget, profile, profiler.used())
+                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()), fraction)
                 profiler.set_limit(limit)
                 if profiler.pending():
                     _measure_within_reach(profile, profiler, limit)
                     if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
-                        limit = _fraction_in_bytes(self.budget, profile, profiler.used())
+                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()),
+                                                  fraction)
                         profiler.set_limit(limit)
                 profiler.drop_copies()
 
@@ -520,6 +535,24 @@ class PlanSession:
                                 f"{', '.join(result.profile.unmeasured)} (frontier() leaves them out)")
         self._budget_bytes = result.budget
         return result
+
+    def _stage_share(self, limit: int, fraction: float | None) -> int:
+        """A fractional budget on a pipeline stage: ``limit`` is that share of one microbatch's step
+        without checkpointing; the rank's budget is that share of the rank's whole step without it
+        (``in_flight`` such microbatches and what the schedule holds, ``schedule_held``), and one
+        microbatch's share is what is left of it once the schedule's part is paid."""
+        if self.pipeline is None or self.schedule_held is None or fraction is None:
+            return limit
+        return self._microbatch_share(self.pipeline.in_flight * limit + int(fraction * self.schedule_held.total))
+
+    def _microbatch_share(self, whole: int) -> int:
+        """One microbatch's bytes on a pipeline stage whose rank may use ``whole``: what is left once
+        the schedule's part is paid, less ``HEADROOM`` of the whole (room for what counting the
+        schedule's tensors misses: allocator slack, code paged in), shared by the microbatches alive."""
+        assert self.pipeline is not None and self.schedule_held is not None
+        self._rank_budget = whole
+        rest = int(whole * (1 - HEADROOM)) - self.schedule_held.total
+        return max(1, rest // self.pipeline.in_flight)
 
     def _profile(self, root: nn.Module, profiler: RegionProfiler, fraction: float | None,
                  limit: int | None) -> Profile:
@@ -591,11 +624,39 @@ class PlanSession:
 
     @property
     def stage_budget(self) -> int | None:
-        """The bytes this rank may use above its first step's start: the plan's budget, times the
-        microbatches alive at once on a pipeline stage."""
+        """The bytes this rank may use above its first step's start: the plan's budget (one
+        microbatch's), times the microbatches alive at once on a pipeline stage, plus what its
+        schedule holds."""
         if self.plan is None:
             return None
-        return self.plan.budget * (self.pipeline.in_flight if self.pipeline is not None else 1)
+        if self.pipeline is None:
+            return self.plan.budget
+        return self._rank_budget or self.plan.budget * self.pipeline.in_flight
+
+    @property
+    def stage_predicted(self) -> int | None:
+        """A pipeline rank's predicted peak above its first step's start: what the schedule holds,
+        what the process held besides when the plan was solved (gradients, ...), and ``in_flight``
+        microbatches each at its predicted activations' peak (an upper bound: only one is at its
+        peak at a time)."""
+        if self.plan is None or self.pipeline is None:
+            return None
+        held = self.schedule_held.total if self.schedule_held else 0
+        return held + self.plan.overhead + self.pipeline.in_flight * self.plan.peak
+
+    def rank_summary(self) -> str | None:
+        """A pipeline rank's line at the end of the run: its budget, predicted and measured peak
+        (``VmHWM`` above ``VmRSS`` when the first step's baseline was read: the process's own
+        high-water mark, so anything higher before that step would show too)."""
+        if self.plan is None or self.pipeline is None:
+            return None
+        measured = max(0, _status_bytes("VmHWM") - self._resident_at_start) if self._resident_at_start else 0
+        held = self.schedule_held.total if self.schedule_held else 0
+        return (f"acshim: --budget {format_bytes(self.stage_budget or 0)} on rank {self._rank}, pipeline stage "
+                f"{self.pipeline.stage} of {self.pipeline.stages}: predicted peak {format_bytes(self.stage_predicted or 0)} "
+                f"({format_bytes(held)} schedule + {self.pipeline.in_flight} x {format_bytes(self.plan.peak)} "
+                f"activations + {format_bytes(self.plan.overhead)} held besides), measured "
+                f"{format_bytes(measured)} (VmHWM above the first step's start)")
 
     def _drop_sites_data(self) -> None:
         for site in self.sites:
@@ -720,9 +781,11 @@ class PlanSession:
         what = f"({', '.join(f'{n} {k}' for k, n in asked.items())}) " if asked else ""
         if self.pipeline is not None:
             stage = self.pipeline
+            held = self.schedule_held or ScheduleHeld([])
             return (f"acshim: --budget {format_bytes(self.stage_budget or 0)} on rank {rank()}, {stage.describe()}: "
-                    f"planned for one microbatch within {format_bytes(plan.budget)} (the budget / {stage.in_flight}): "
-                    f"replaced {regions} region(s) {what}by the plan ({chosen}); {tail}")
+                    f"the schedule holds {format_bytes(held.total)} ({held.describe()}): planned for one microbatch "
+                    f"within {format_bytes(plan.budget)} ((the budget less {HEADROOM:.0%} - {format_bytes(held.total)}) / "
+                    f"{stage.in_flight}): replaced {regions} region(s) {what}by the plan ({chosen}); {tail}")
         return f"acshim: --budget {format_bytes(plan.budget)}: replaced {regions} region(s) {what}by the plan ({chosen}); {tail}"
 
     def report(self) -> str:
@@ -787,6 +850,45 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
         full = rounded_peak(profile, ["recompute"] * len(profile.blocks)) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
     return parse_budget(budget, none)
+
+
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` size (``VmRSS``, ``VmHWM``) in bytes, or 0 where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            return next((int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
+def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> int:
+    """One microbatch's output bytes of a pipeline stage module: torch's ``PipelineStage`` knows its
+    outputs' shapes (``get_outputs_meta``, from its shape inference); else the module runs once on
+    fake tensors (nothing allocated, regions as plain calls); else its inputs' bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from .pipelines import tensor_bytes
+
+    def size(value: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+    meta = getattr(stage.owner, "_outputs_meta", None)
+    if meta is not None:
+        return size(meta)
+    previous, position = session.mode, session.position
+    try:  # the script's RNG and region counts stay as they were
+        with _counters_paused(), torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) \
+                as mode, torch.no_grad():
+            fake_args, fake_kwargs = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+                                              (args, kwargs))
+            session.mode = "plain"
+            return size(stage.module(*fake_args, **fake_kwargs))
+    except Exception:  # a forward that depends on values, or an operator without a fake kernel
+        return tensor_bytes((args, kwargs))
+    finally:
+        session.mode, session.position = previous, position
 
 
 def _fresh_baseline(memory: ProcessMemory) -> int:

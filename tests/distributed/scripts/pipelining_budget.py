@@ -1,7 +1,8 @@
 """``torchrun ... -m acshim run --budget B pipelining_budget.py [--schedule 1F1B|GPipe]``:
 ``torch.distributed.pipelining`` on 2 gloo ranks, each a ``PipelineStage`` of 8 ``Block`` layers whose
 forward checkpoints each layer (``torch.utils.checkpoint``), trained 3 steps of 4 microbatches
-twice: first unplanned (acshim's plan set aside), then under the plan. Every rank prints
+twice: first unplanned (acshim's plan set aside), then under the plan (the batches of all steps made
+before the first step starts, as a data set in memory). Every rank prints
 ``RESULT {json}`` as deepspeed_pipeline_budget.py does (stage, bitwise equality of losses and
 weights, ``VmHWM`` above each run's first step's start, the plan). Run with
 ``MALLOC_MMAP_THRESHOLD_=65536``.
@@ -60,6 +61,9 @@ def train(rank: int, schedule_name: str) -> dict:
     schedule = kind(stage, n_microbatches=MICRO, loss_fn=nn.functional.mse_loss)
     optimizer = torch.optim.SGD(stage_module.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(7)
+    # the data set is made before the first step (it is the script's, not the step's memory)
+    data = [(torch.randn(MICRO * ROWS, WIDTH, generator=generator), torch.randn(MICRO * ROWS, WIDTH, generator=generator))
+            for _ in range(STEPS)]
     torch.manual_seed(100 + rank)
     dist.barrier()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -67,9 +71,7 @@ def train(rank: int, schedule_name: str) -> dict:
         clear_refs.write("5")
     start = _status("VmRSS")
     losses = []
-    for _ in range(STEPS):
-        x = torch.randn(MICRO * ROWS, WIDTH, generator=generator)
-        target = torch.randn(MICRO * ROWS, WIDTH, generator=generator)
+    for x, target in data:
         optimizer.zero_grad(set_to_none=True)
         step_losses: list[torch.Tensor] = []
         if rank == 0:
