@@ -265,10 +265,11 @@ def _end_of_plan(flags: RunFlags, session: Any) -> int:
     if session is not None and session.still_exploring:  # a sharded model, planned on its own steps
         from .planner.lockstep import EXPLORE_STEPS
 
+        steps = session._lockstep.explore_steps if session._lockstep is not None else EXPLORE_STEPS
         session.stop()
         ended = (f"acshim {verb}: --budget {flags.budget}: the script ended before its sharded model's plan "
-                 f"was made: it is planned on the script's own steps and needs {EXPLORE_STEPS + 1} training steps "
-                 "(the first ones ran every region recomputed)")
+                 f"was made: it is planned on the script's own steps and needs {steps + 1} training steps "
+                 "(the first ones ran every region recomputed, then one per storage choice)")
         if verb == "plan":
             return _run_error(2, ended)
         from .patching.runner import print_error_line
