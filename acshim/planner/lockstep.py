@@ -278,6 +278,12 @@ def storage_choices(session: Any, device: torch.device) -> list[str]:
             and not (choice.endswith(":host") and device.type == "cpu")]
 
 
+def explore_steps(session: Any) -> int:
+    """The steps ``session``'s sharded model is explored on before its plan (also after it stopped)."""
+    device = device_of(session.root) if session.root is not None else torch.device("cpu")
+    return EXPLORE_STEPS + len(storage_choices(session, device))
+
+
 def _mark_backward(output: Any, index: int, peak: StepPeak) -> None:
     """Open the step's phase ``index`` when the gradient of ``output`` (a region run without
     recompute) arrives: its backward starts, as a recompute's start marks it (``_RegionMarks``)."""
@@ -518,8 +524,11 @@ class LockstepPlanner:
         owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
         method = METHOD if not explored else METHOD.replace(
             "the plan's first step", f"then one step each ran every region {' and '.join(explored)}; the plan's first step")
+        # rank 0's: FSDP1's flat-parameter shards give each rank different parameter shapes
+        signature: list[Any] = [model_signature(self.root, owners)]
+        dist.broadcast_object_list(signature, src=0)
         profile = Profile(blocks=blocks, choices=[*CHOICES, *explored], other_held=other_held,
-                          other_transient=outside, other_seconds=0.0, signature=model_signature(self.root, owners),
+                          other_transient=outside, other_seconds=0.0, signature=signature[0],
                           prefetch=session.prefetch, method=method,
                           recompute_step={"saved": sum(self.saved.values()), "peak": peak})
         agreed = agree_profile(profile, self.device)

@@ -54,8 +54,8 @@ def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(l
     """FSDP2 (fully_shard per block and root) and a DeepSpeed engine at ZeRO-3: two steps run every
     region recomputed and one each offloaded and recomputed with inputs offloaded (disk), all
     measured; rank 0 solves and broadcasts, the next step verifies. Every
-    step of every rank peaks within the budget as the kernel's VmHWM sees it, the plan keeps some
-    blocks, and the full weights after 5 steps (dropout on) equal the same engine's without
+    step of every rank peaks within the budget as the kernel's VmHWM sees it, the plan keeps or
+    offloads some blocks, and the full weights after 5 steps (dropout on) equal the same engine's without
     checkpointing bitwise."""
     command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", engine,
                        "--rows", "2048,2048,2048,2048,2048,2048")
@@ -65,7 +65,7 @@ def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(l
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["equal"] and r["finite"] for r in ranks), ranks
     assert ranks[0]["choices"] == ranks[1]["choices"], ranks   # rank 0's plan, broadcast
-    assert "keep" in ranks[0]["choices"] and "recompute" in ranks[0]["choices"], ranks
+    assert set(ranks[0]["choices"]) != {"recompute"}, ranks         # some region kept or offloaded
     for r in ranks:
         assert max(r["peaks"]) <= r["budget"], r                  # explored, verified and planned steps alike
         assert max(r["peaks"]) < 0.8 * max(r["none"]), r          # and memory was saved, as measured
@@ -111,7 +111,8 @@ def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, tor
 def test_sharded_budget_below_full_recompute_is_refused_naming_one_that_plans(launch, torchrun) -> None:
     """A budget below what the least plan needs (every region recomputed or offloaded) ends every
     rank with exit 2 after the explored steps, naming a budget; that budget then plans."""
-    command = torchrun("-m", "acshim", "run", "--budget", "20MiB", SHARDED, "--engine", "fsdp2")
+    command = torchrun("-m", "acshim", "run", "--budget", "20MiB", SHARDED, "--engine", "fsdp2",
+                       "--rows", "2048,2048,2048,2048,2048")
     result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
     assert result.returncode != 0
     found = re.search(r"the least any plan of keep, recompute, offload:disk, recompute\+offload:disk needs: [\d.]+ MiB "

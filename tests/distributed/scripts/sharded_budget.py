@@ -98,7 +98,8 @@ def fsdp1(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]
 
     torch.manual_seed(0)
     model = Net("module")
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                                       device_id=torch.device("cpu"))
     if checkpointed:
         apply_activation_checkpointing(wrapped, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper),
                                        check_fn=lambda module: isinstance(module, Block))
