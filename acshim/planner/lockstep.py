@@ -12,7 +12,9 @@ script's own steps, in lock-step on every rank:
    memory above the step's start is measured per phase (``StepPeak``: each region's forward, each
    region's recompute and backward, the rest), after every operator (``process.Guard``, recording
    only: stopping one rank mid-step would leave the others waiting in a collective) and every
-   millisecond by a thread.
+   millisecond by a thread. Then, where the storage tier moves something (``storage_choices``), one
+   step runs every region ``offload:TIER`` and one ``recompute+offload:TIER``, measured the same
+   way; with them every choice's held bytes per region are explicit (``explored``).
 2. **Solve**: at the next step's start every rank agrees the numbers (each the largest any rank
    measured, ``agree.agree_profile``); rank 0 solves them with the exact DP (``_profile`` maps the
    phases onto the solver's peak formula) and broadcasts the plan, so no two ranks can run
@@ -22,9 +24,11 @@ script's own steps, in lock-step on every rank:
    fits), for the next step, at most ``retries`` times, and said on stderr.
 
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
-memory and time. Limits (docs/cli.md): choices are keep or recompute per region (offload and
-selective-op are measured by running regions alone); the explored steps peak at full recompute's
-peak whatever the budget, and a budget below it is refused after them, naming a budget that plans.
+memory and time. Limits (docs/cli.md): choices are keep, recompute and the storage tier's per
+region (selective-op and the chunked head and loss are measured by running regions alone, not
+offered here); the explored steps peak at their choices' peaks whatever the budget, so the budget
+holds from the first planned step; a budget below the least plan is refused after them, naming a
+budget that plans.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Sharded models (FSDP2, ZeRO-3) under ``torchrun -m acshim run --budget`` are offered the storage
 tier's choices too (acshim/planner/lockstep.py, explored.py): after the recomputed steps, one step
 runs every region offloaded to disk and one recomputed with its input on disk, and the plan may mix
-them with keep and recompute. A budget below full recompute's peak, refused before, now plans; every
+them with keep and recompute. A budget below full recompute's peak, refused before, now plans (FSDP2;
+ZeRO-3 and FSDP1 exact and within budget with these choices offered: test_budget_ranks.py, below); every
 rank's steps from the first planned one stay within it by the kernel's VmHWM, and the full weights
 equal the same engine's without checkpointing bitwise (dropout on, 2 gloo ranks)."""
 
@@ -19,7 +20,9 @@ EXPLORED = 4
 
 @pytest.mark.parametrize(("engine", "blocks", "budget"), [
     ("fsdp2", "16", "68MiB"),   # full recompute peaks near 73 MiB here, the least plan near 58 MiB
-    ("zero3", "12", "88MiB"),   # full recompute near 96 MiB, the least plan predicted near 81 MiB
+    # ZeRO-3 is left out: its least plan was predicted at 75-94 MiB in three runs of the 12-block model
+    # (its parameters prefetched in some steps and not others count at every step's start), against
+    # full recompute's 96 MiB: no budget between them plans every time (docs/planner.md, Sharded)
 ])
 def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_exactly(
         launch, torchrun, engine: str, blocks: str, budget: str) -> None:
