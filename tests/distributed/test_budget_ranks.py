@@ -59,7 +59,8 @@ def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(l
     checkpointing bitwise."""
     command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", engine,
                        "--rows", "2048,2048,2048,2048,2048,2048")
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
+    # two explored steps more than before (the storage choices'): ZeRO-3's 12 steps took over 240 s at load 13
+    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert [r["rank"] for r in ranks] == [0, 1]
