@@ -263,12 +263,13 @@ def _end_of_plan(flags: RunFlags, session: Any) -> int:
         session.stop()
         return _run_error(2, _nothing_planned(verb, budget))
     if session is not None and session.still_exploring:  # a sharded model, planned on its own steps
-        from .planner.lockstep import EXPLORE_STEPS
+        from .planner.lockstep import explore_steps
 
+        steps = explore_steps(session)
         session.stop()
         ended = (f"acshim {verb}: --budget {flags.budget}: the script ended before its sharded model's plan "
-                 f"was made: it is planned on the script's own steps and needs {EXPLORE_STEPS + 1} training steps "
-                 "(the first ones ran every region recomputed)")
+                 f"was made: it is planned on the script's own steps and needs {steps + 1} training steps "
+                 "(the first ones ran every region recomputed, then one per storage choice)")
         if verb == "plan":
             return _run_error(2, ended)
         from .patching.runner import print_error_line

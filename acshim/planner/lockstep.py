@@ -12,7 +12,9 @@ script's own steps, in lock-step on every rank:
    memory above the step's start is measured per phase (``StepPeak``: each region's forward, each
    region's recompute and backward, the rest), after every operator (``process.Guard``, recording
    only: stopping one rank mid-step would leave the others waiting in a collective) and every
-   millisecond by a thread.
+   millisecond by a thread. Then, where the storage tier moves something (``storage_choices``), one
+   step runs every region ``offload:TIER`` and one ``recompute+offload:TIER``, measured the same
+   way; with them every choice's held bytes per region are explicit (``explored``).
 2. **Solve**: at the next step's start every rank agrees the numbers (each the largest any rank
    measured, ``agree.agree_profile``); rank 0 solves them with the exact DP (``_profile`` maps the
    phases onto the solver's peak formula) and broadcasts the plan, so no two ranks can run
@@ -22,9 +24,11 @@ script's own steps, in lock-step on every rank:
    fits), for the next step, at most ``retries`` times, and said on stderr.
 
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
-memory and time. Limits (docs/cli.md): choices are keep or recompute per region (offload and
-selective-op are measured by running regions alone); the explored steps peak at full recompute's
-peak whatever the budget, and a budget below it is refused after them, naming a budget that plans.
+memory and time. Limits (docs/cli.md): choices are keep, recompute and the storage tier's per
+region (selective-op and the chunked head and loss are measured by running regions alone, not
+offered here); the explored steps peak at their choices' peaks whatever the budget, so the budget
+holds from the first planned step; a budget below the least plan is refused after them, naming a
+budget that plans.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from .. import region as engine
 from .. import structures
 from ..measure import storage_key
 from ..options import RegionOptions
 from ..region import run_region_now
 from .agree import agree_bytes, agree_profile
 from .budget import budget_at_least, format_bytes
+from .choices import SharedOffload, choice_options, expand_choices
+from .explored import HELD_UNIT, ChoiceSteps, median_per_key, rounded
 from .plan import HEADROOM, Plan, solve_within
 from .process import Guard, ProcessMemory, trim
 from .profile import BlockProfile, Profile, block_key, model_signature
@@ -173,7 +180,14 @@ class StepPeak:
     def __init__(self, memory: ProcessMemory, baseline: int) -> None:
         self.guard = Guard(memory, baseline, None)
         self.phases: dict[str | int, int] = {}
+        self.seconds: dict[str | int, float] = {}
+        """Per phase, the time spent in it (summed where a phase is entered again)."""
+        self.start_held: int | None = None
+        """The process's memory above ``baseline`` when the first region's forward started."""
+        self.held_after: dict[int, int] = {}
+        """Per region, the process's memory above ``baseline`` when its forward ended."""
         self._phase: str | int | None = None
+        self._since = 0.0
         self._sampled = 0
         self._sampled_phase = 0
         self._handle: Any = None
@@ -194,17 +208,30 @@ class StepPeak:
     def enter_phase(self, phase: str | int | None) -> None:
         """Close the current phase (its peak recorded) and open ``phase``."""
         used = self.guard.sample() if self.guard.memory.available else 0
+        now = time.perf_counter()
         if self._phase is not None:
             peak = max(self.guard.window_peak, self._sampled_phase, used)
             self.phases[self._phase] = max(self.phases.get(self._phase, 0), peak)
-        self._phase = phase
+            self.seconds[self._phase] = self.seconds.get(self._phase, 0.0) + now - self._since
+        self._phase, self._since = phase, now
         self.guard.window_peak = self._sampled_phase = used
+
+    def region_forward(self, index: int) -> None:
+        """Region ``index``'s forward starts (the first one's start is noted)."""
+        self.enter_phase(f"forward:{index}")
+        if self.start_held is None:
+            self.start_held = self.guard.last
+
+    def region_forward_done(self, index: int) -> None:
+        """Region ``index``'s forward ended: what the process holds now is noted."""
+        self.enter_phase("forward")
+        self.held_after[index] = self.guard.last
 
     def start(self, root: nn.Module) -> None:
         self._sampler.start()
         self.guard.__enter__()
         self._in_forward = True
-        self.enter_phase("forward")
+        self.enter_phase("stem")
         self._handle = root.register_forward_hook(self._forward_done, always_call=True)
 
     def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -245,6 +272,35 @@ class StepPeak:
         return max(0, self.guard.peak, self._sampled, *self.phases.values())
 
 
+def storage_choices(session: Any, device: torch.device) -> list[str]:
+    """The storage tier's choices a sharded model is offered, as the single-process planner names
+    them: the session's tier, else disk on CPU and host memory on an accelerator; none where that
+    tier would move nothing (host memory on CPU)."""
+    tiers = (session.storage,) if session.storage else (("disk",) if device.type == "cpu" else ("host",))
+    return [choice for choice in expand_choices(session.choices, tiers)
+            if choice.partition(":")[0] in ("offload", "recompute+offload")
+            and not (choice.endswith(":host") and device.type == "cpu")]
+
+
+def explore_steps(session: Any) -> int:
+    """The steps ``session``'s sharded model is explored on before its plan (also after it stopped)."""
+    device = device_of(session.root) if session.root is not None else torch.device("cpu")
+    return EXPLORE_STEPS + len(storage_choices(session, device))
+
+
+def _mark_backward(output: Any, index: int, peak: StepPeak) -> None:
+    """Open the step's phase ``index`` when the gradient of ``output`` (a region run without
+    recompute) arrives: its backward starts, as a recompute's start marks it (``_RegionMarks``)."""
+
+    def hook(grad: torch.Tensor) -> None:
+        if peak._phase != index:
+            peak.enter_phase(index)
+
+    for leaf in structures.flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(hook)
+
+
 class _RegionMarks:
     """A region observer: its forward opens the step's phase ``"forward:<index>"`` (and its end goes
     back to ``"forward"``), its recompute the phase ``index``."""
@@ -253,10 +309,10 @@ class _RegionMarks:
         self.index, self.peak = index, peak
 
     def forward_start(self, region: Any) -> None:
-        self.peak.enter_phase(f"forward:{self.index}")
+        self.peak.region_forward(self.index)
 
     def forward_end(self, region: Any) -> None:
-        self.peak.enter_phase("forward")
+        self.peak.region_forward_done(self.index)
 
     def recompute_start(self, region: Any) -> None:
         self.peak.enter_phase(self.index)
@@ -279,6 +335,15 @@ class LockstepPlanner:
         self.phase_peaks: dict[str | int, int] = {}
         """The explored steps' peaks per phase (``StepPeak.phases``), the largest of the steps."""
         self.measuring: StepPeak | None = StepPeak(memory, baseline) if explore else None
+        self.storage_choices = storage_choices(session, self.device)
+        """The storage tier's choices offered (``offload:TIER``, ``recompute+offload:TIER``): each is
+        explored on one step of its own after the recomputed ones (``explored``)."""
+        self.runs: dict[str, ChoiceSteps] = {}
+        """Per explored choice, what its steps measured."""
+        self.run_peaks: dict[str, int] = {}
+        """Per explored choice, its steps' largest peak (agreed across ranks)."""
+        self._scope: SharedOffload | None = None
+        """The ``offload`` step's schedule, shared by its regions (``choices.SharedOffload``)."""
         self.exploring = explore
         self.explored = 0
         self.profile: Profile | None = None
@@ -302,7 +367,11 @@ class LockstepPlanner:
     # ---------------------------------------------------------------------------------- steps
     def explore(self, index: int, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> Any:
-        """Run region ``index`` recomputed, counting what it would hold kept and timing its forward."""
+        """Run region ``index`` recomputed, counting what it would hold kept and timing its forward (or,
+        on a storage choice's step, as that choice)."""
+        choice = self.step_choice
+        if choice != "recompute":
+            return self._explore_stored(choice, index, function, args, kwargs)
         inputs = {key[0] for leaf in structures.flatten((args, kwargs))[0]
                   if (key := storage_key(leaf)) is not None}
         measuring = self.measuring
@@ -320,6 +389,38 @@ class LockstepPlanner:
         self.kept_forward[index] = max(self.kept_forward.get(index, 0), counter.kept_peak)
         return output
 
+    @property
+    def explore_steps(self) -> int:
+        """Steps explored before the plan: the recomputed ones, then one per storage choice."""
+        return EXPLORE_STEPS + len(self.storage_choices)
+
+    @property
+    def step_choice(self) -> str:
+        """What every region of the step being explored runs as."""
+        extra = self.explored - EXPLORE_STEPS
+        return self.storage_choices[extra] if 0 <= extra < len(self.storage_choices) else "recompute"
+
+    def _explore_stored(self, choice: str, index: int, function: Callable[..., Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Any:
+        """Run region ``index`` as ``choice`` (``offload:TIER``: its saved tensors through the step's
+        shared schedule; ``recompute+offload:TIER``: recomputed, its input on the tier), measured."""
+        measuring = self.measuring
+        assert measuring is not None
+        owner = self.session.sites[index].owner if index < len(self.session.sites) else None
+        self.keys.setdefault(index, block_key(owner, args, kwargs) if owner is not None else index)
+        if choice.startswith("recompute+offload"):
+            options = choice_options(choice).replace(observer=_RegionMarks(index, measuring))
+            return run_region_now(function, args, kwargs, options)
+        if self._scope is None:
+            self._scope = SharedOffload(choice.partition(":")[2], self.session.prefetch)
+        engine.STATS.forward(function)
+        measuring.region_forward(index)
+        with self._scope:
+            output = function(*args, **kwargs)
+        measuring.region_forward_done(index)
+        _mark_backward(output, index, measuring)
+        return output
+
     def step_started(self) -> Plan | None:
         """At the start of the next training step (every rank at once): after the explored step,
         the plan every rank runs from now on; after a verification step, a plan solved again if it
@@ -328,25 +429,32 @@ class LockstepPlanner:
             return None
         peak = agree_bytes(self.measuring.finish(), self.device)
         if self.exploring:
-            for phase, size in self.measuring.phases.items():
-                self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), size)
+            choice, measured = self.step_choice, self.measuring
+            if choice == "recompute":
+                for phase, size in measured.phases.items():
+                    self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), size)
+            self.runs.setdefault(choice, ChoiceSteps()).add(measured.phases, measured.held_after, measured.start_held,
+                                                           measured.seconds)
+            self.run_peaks[choice] = max(self.run_peaks.get(choice, 0), peak)
         self.measuring = None
+        self._scope = None
         self.peaks.append(peak)
         session = self.session
         if self.exploring:
             self.explored += 1
-            if self.explored < EXPLORE_STEPS:
+            if self.explored < self.explore_steps:
                 self._measure_next_step()
                 return None
             self.exploring = False
-            self.profile = self._profile(max(self.peaks[-self.explored:]))
+            self.profile = self._profile(self.run_peaks["recompute"])
             budget = session._budget_bytes if session._budget_bytes is not None else session.budget
             plan = self._solve_on_rank0(budget, overhead=0)
         else:
             plan = session.plan
             plan.measured_process_peak = peak
             accept = int(plan.budget * (1 - HEADROOM))
-            if peak <= accept or self.verifications >= session.retries or all(c == "recompute" for c in plan.choices):
+            least = self._least_memory()
+            if peak <= accept or self.verifications >= session.retries or plan.choices == least:
                 self._say_verified(plan, peak)
                 return None
             self.verifications += 1
@@ -355,7 +463,7 @@ class LockstepPlanner:
             try:
                 plan = self._solve_on_rank0(plan.budget, overhead=missed)
             except ValueError:  # (every rank alike) none fits with that room: the least there is
-                plan = Plan.from_choices(plan, ["recompute"] * len(plan.choices))
+                plan = Plan.from_choices(plan, least)
                 plan.overhead = missed
             plan.notes.append(f"solved again after a step measured {format_bytes(peak)} over the accepted "
                               f"{format_bytes(accept)}")
@@ -371,6 +479,7 @@ class LockstepPlanner:
         measured; the next one gets a plan solved on it."""
         self._drop_measurement()
         self.saved, self.seconds, self.phase_peaks, self.kept_forward = {}, {}, {}, {}
+        self.runs, self.run_peaks = {}, {}
         self.exploring, self.explored, self.verifications = True, 0, 0
         self._measure_next_step()
 
@@ -392,29 +501,56 @@ class LockstepPlanner:
         if self.measuring is not None:
             self.measuring.finish()
             self.measuring = None
+        self._scope = None
 
     # ---------------------------------------------------------------------------------- solving
     def _profile(self, peak: int) -> Profile:
         """The explored steps as the solver's profile (``solver``'s peak formula: while region i
-        runs, forward or backward, the kept regions before it hold what they saved): nothing is held
-        outside the regions beyond what every phase measured; the phases outside the regions (stem,
-        head, loss, the head's backward) are the outside part's transient, with every kept region's
-        bytes held on top; region i's transient is the larger of its forward's and its recompute
-        and backward's phase; kept, the larger of its forward's peak had it been kept
-        (``SavedCounter.kept_peak``) and its backward's phase, less its own saved bytes (held in the
-        prefix since its forward). A phase not seen counts as the step's peak."""
+        runs, forward or backward, the kept regions before it hold what they saved). ``peak``: the
+        recomputed steps' largest; a phase not seen counts as it. Without a storage choice
+        (``_recomputed_blocks``) everything the recomputed steps held is in the phases; with one,
+        each choice's held bytes are explicit (``_blocks_with_storage``, ``explored``)."""
         session = self.session
         names = site_names(self.root, session.sites)
         for name, site in zip(names, session.sites, strict=True):
             site.name = name
         session.names = names
-        phases = {phase: _rounded(size) for phase, size in self.phase_peaks.items()}
         shared: dict[Any, list[float]] = {}
         for index, key in self.keys.items():
             shared.setdefault(key, []).append(self.seconds.get(index, 0.0))
+        forwards = [statistics.median(shared.get(self.keys.get(index), [self.seconds.get(index, 0.0)]))
+                    for index in range(len(names))]
+        explored = [c for c in self.storage_choices if c in self.runs]
+        if explored:
+            blocks, other_held, outside = self._blocks_with_storage(names, forwards, peak, explored)
+        else:
+            blocks, other_held, outside = self._recomputed_blocks(names, forwards, peak)
+        owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
+        method = METHOD if not explored else METHOD.replace(
+            "the plan's first step", f"then one step each ran every region {' and '.join(explored)}; the plan's first step")
+        # rank 0's: FSDP1's flat-parameter shards give each rank different parameter shapes
+        signature: list[Any] = [model_signature(self.root, owners)]
+        dist.broadcast_object_list(signature, src=0)
+        profile = Profile(blocks=blocks, choices=[*CHOICES, *explored], other_held=other_held,
+                          other_transient=outside, other_seconds=0.0, signature=signature[0],
+                          prefetch=session.prefetch, method=method,
+                          recompute_step={"saved": sum(self.saved.values()), "peak": peak})
+        agreed = agree_profile(profile, self.device)
+        agreed.method += f"; agreed across {dist.get_world_size()} ranks (each number the largest any rank measured)"
+        return agreed
+
+    def _recomputed_blocks(self, names: list[str], forwards: list[float], peak: int
+                           ) -> tuple[list[BlockProfile], int, int]:
+        """Keep and recompute from the recomputed steps alone: nothing is held outside the regions
+        beyond what every phase measured; the phases outside the regions (stem, head, loss, the head's
+        backward) are the outside part's transient, with every kept region's bytes held on top;
+        region i's transient is the larger of its forward's and its recompute and backward's phase;
+        kept, the larger of its forward's peak had it been kept (``SavedCounter.kept_peak``) and
+        its backward's phase, less its own saved bytes (held in the prefix since its forward)."""
+        phases = {phase: _rounded(size) for phase, size in self.phase_peaks.items()}
         blocks = []
         for index, name in enumerate(names):
-            forward = statistics.median(shared.get(self.keys.get(index), [self.seconds.get(index, 0.0)]))
+            forward = forwards[index]
             saved = self.saved.get(index, 0)
             ahead, back = phases.get(f"forward:{index}", peak), phases.get(index, peak)
             kept = max(ahead, _rounded(self.kept_forward.get(index, 0)))  # kept, it holds at least what recomputed did
@@ -424,15 +560,67 @@ class LockstepPlanner:
                                        seconds={"keep": (1 + BACKWARD_SHARE) * forward,
                                                 "recompute": (2 + BACKWARD_SHARE) * forward},
                                        saved=saved))
-        outside = max(phases.get("forward", peak), phases.get("head", peak))
-        owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
-        profile = Profile(blocks=blocks, choices=list(CHOICES), other_held=0, other_transient=outside,
-                          other_seconds=0.0, signature=model_signature(self.root, owners),
-                          prefetch=session.prefetch, method=METHOD,
-                          recompute_step={"saved": sum(self.saved.values()), "peak": peak})
-        agreed = agree_profile(profile, self.device)
-        agreed.method += f"; agreed across {dist.get_world_size()} ranks (each number the largest any rank measured)"
-        return agreed
+        outside = max(phases.get("forward", peak), phases.get("head", peak), phases.get("stem", 0))
+        return blocks, 0, outside
+
+    def _blocks_with_storage(self, names: list[str], forwards: list[float], peak: int, explored: list[str]
+                             ) -> tuple[list[BlockProfile], int, int]:
+        """Every choice's held bytes explicit (``explored``): recompute's and each storage choice's
+        from its own step, keep's as recompute's plus what ``SavedCounter`` counted; the part outside
+        the regions holds the most any step held when its first region started. Times: keep and
+        recompute as without storage choices; a storage choice adds what its step's region took
+        beyond the same work recomputed (``offload``: beyond keep's, the recompute-and-backward
+        phase; ``recompute+offload``: beyond recompute's), never less than nothing (measured
+        faster is noise). The ``offload`` schedule's resident window: what the first offloaded region
+        left behind in its step (``Profile.window`` adds the copies in flight). Each region keeps its
+        own numbers (the first region's input may be held by the part before it)."""
+        count = len(names)
+        keys = [self.keys.get(index, index) for index in range(count)]
+        recomputed = self.runs["recompute"]
+        measured = {choice: self.runs[choice].held(count) for choice in ["recompute", *explored]}
+        window = 0
+        for choice in explored:
+            if choice.startswith("offload") and measured[choice]:
+                # the first offloaded region's growth is the schedule's resident window (each later
+                # one sends the previous window out and leaves its own): the window, not its held bytes
+                window = rounded(measured[choice][0], HELD_UNIT)
+                measured[choice][0] = 0
+        held = {choice: [rounded(size, HELD_UNIT) for size in sizes] for choice, sizes in measured.items()}
+        transient = {choice: self.runs[choice].transients(count, sizes, peak, PHASE_UNIT)
+                     for choice, sizes in measured.items()}
+        saved = [self.saved.get(index, 0) for index in range(count)]
+        kept_prefix, kept = 0, []
+        for index in range(count):
+            kept_prefix += measured["recompute"][index]
+            top = max(_rounded(self.kept_forward.get(index, 0)), recomputed.phases.get(f"forward:{index}", peak),
+                      recomputed.phases.get(index, peak))
+            kept.append(rounded(top - recomputed.start - kept_prefix - saved[index], PHASE_UNIT))
+        plain = median_per_key([recomputed.region_seconds(index) for index in range(count)], keys)
+        backs = median_per_key([recomputed.seconds.get(index, 0.0) for index in range(count)], keys)
+        extra = {choice: median_per_key([self.runs[choice].region_seconds(index) for index in range(count)], keys)
+                 for choice in explored}
+        blocks = []
+        for index, name in enumerate(names):
+            keep_seconds, recompute_seconds = (1 + BACKWARD_SHARE) * forwards[index], (2 + BACKWARD_SHARE) * forwards[index]
+            block = BlockProfile(name=name, held={"keep": saved[index] + held["recompute"][index],
+                                                  "recompute": held["recompute"][index]},
+                                 transient={"keep": kept[index], "recompute": transient["recompute"][index]},
+                                 seconds={"keep": keep_seconds, "recompute": recompute_seconds},
+                                 saved=self.saved.get(index, 0))
+            for choice in explored:
+                offloaded = choice.startswith("offload")
+                base = keep_seconds if offloaded else recompute_seconds
+                beyond = extra[choice][index] - (backs[index] if offloaded else plain[index])
+                block.held[choice], block.transient[choice] = held[choice][index], transient[choice][index]
+                block.seconds[choice] = base + max(0.0, beyond)
+                if offloaded:
+                    block.window[choice] = window
+            blocks.append(block)
+        runs = [self.runs[choice] for choice in measured]
+        other_held = rounded(max(run.start for run in runs), PHASE_UNIT)
+        outside = max(rounded(run.outside(count, measured[choice], peak), PHASE_UNIT)
+                      for choice, run in zip(measured, runs, strict=True))
+        return blocks, other_held, outside
 
     def _solve_on_rank0(self, budget: Any, overhead: int) -> Plan:
         """Rank 0 solves, every rank gets its plan (or its error, raised on every rank alike)."""
@@ -450,12 +638,18 @@ class LockstepPlanner:
             raise ValueError(data["error"])
         return Plan.from_json(data)
 
+    def _least_memory(self) -> list[str]:
+        """Per region, the choice holding least (then with the least transient): every region
+        recomputed, or with a storage choice, what holds less."""
+        assert self.profile is not None
+        return [min(self.profile.choices, key=lambda c, b=b: (b.held[c], b.transient[c])) for b in self.profile.blocks]
+
     def _too_small(self, error: BudgetTooSmall) -> str:
         least = minimum_peak(self.profile) if self.profile is not None else error.minimum
-        return (f"budget {format_bytes(error.budget)} is below what the model's step needs with every region "
-                f"recomputed: {format_bytes(least)} above the step's start on the largest rank, as its explored "
-                f"steps ran (keep and recompute are the choices a sharded model is planned with); pass --budget "
-                f"{budget_at_least(error.suggested)} or more")
+        choices = self.profile.choices if self.profile is not None else CHOICES
+        return (f"budget {format_bytes(error.budget)} is below the least any plan of {', '.join(choices)} needs: "
+                f"{format_bytes(least)} above the step's start on the largest rank, as its explored steps ran; "
+                f"pass --budget {budget_at_least(error.suggested)} or more")
 
     def _say_verified(self, plan: Plan, peak: int) -> None:
         if rank() == 0 and not self.session.api:

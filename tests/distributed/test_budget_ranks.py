@@ -52,23 +52,25 @@ SHARDED = str(Path(__file__).resolve().parent / "scripts" / "sharded_budget.py")
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
 def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(launch, torchrun, engine: str) -> None:
     """FSDP2 (fully_shard per block and root) and a DeepSpeed engine at ZeRO-3: two steps run every
-    region recomputed and are measured, rank 0 solves and broadcasts, the next step verifies. Every
-    step of every rank peaks within the budget as the kernel's VmHWM sees it, the plan keeps some
-    blocks, and the full weights after 5 steps (dropout on) equal the same engine's without
+    region recomputed and one each offloaded and recomputed with inputs offloaded (disk), all
+    measured; rank 0 solves and broadcasts, the next step verifies. Every
+    step of every rank peaks within the budget as the kernel's VmHWM sees it, the plan keeps or
+    offloads some blocks, and the full weights after 5 steps (dropout on) equal the same engine's without
     checkpointing bitwise."""
     command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", engine,
-                       "--rows", "2048,2048,2048,2048,2048")
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
+                       "--rows", "2048,2048,2048,2048,2048,2048")
+    # two explored steps more than before (the storage choices'): ZeRO-3's 12 steps took over 240 s at load 13
+    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["equal"] and r["finite"] for r in ranks), ranks
     assert ranks[0]["choices"] == ranks[1]["choices"], ranks   # rank 0's plan, broadcast
-    assert "keep" in ranks[0]["choices"] and "recompute" in ranks[0]["choices"], ranks
+    assert set(ranks[0]["choices"]) != {"recompute"}, ranks         # some region kept or offloaded
     for r in ranks:
         assert max(r["peaks"]) <= r["budget"], r                  # explored, verified and planned steps alike
         assert max(r["peaks"]) < 0.8 * max(r["none"]), r          # and memory was saved, as measured
-        assert len(r["measured"]) == 3, r                         # two explored steps, one verification
+        assert len(r["measured"]) == 5, r                         # four explored steps, one verification
     replaced = re.findall(r"acshim: --budget [\d.]+ MiB: replaced 4 region\(s\)", result.stderr)
     assert len(replaced) == 1, result.stderr[-3000:]
     assert re.search(r"the plan's step peaked at [\d.]+ MiB \(0\.\d\d of the budget, within it\)", result.stderr)
@@ -78,7 +80,7 @@ def test_sharded_step_with_larger_inputs_is_explored_again_within_the_budget(lau
     """Dynamic shapes on FSDP2: a step larger than any planned for (on any rank) runs recomputed and
     is measured, and the next step gets a plan for it, within the same bytes."""
     command = torchrun("-m", "acshim", "run", "--budget", "60MiB", SHARDED, "--engine", "fsdp2",
-                       "--rows", "1024,1024,1024,2048,2048,2048")
+                       "--rows", "1024,1024,1024,1024,1024,2048,2048,2048,2048,2048,2048")
     result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
@@ -94,7 +96,8 @@ def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, tor
     step on every rank (nothing explored), as exact and within the budget."""
     path = str(tmp_path / "plan.json")
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-    command = torchrun("-m", "acshim", "run", "--budget", "0.6", "--plan-file", path, SHARDED, "--engine", "fsdp2")
+    command = torchrun("-m", "acshim", "run", "--budget", "0.6", "--plan-file", path, SHARDED, "--engine", "fsdp2",
+                       "--rows", "2048,2048,2048,2048,2048")
     first = launch(command, env=env, timeout=240)
     assert first.returncode == 0, first.stderr[-3000:]
     again = launch(command, env=env, timeout=240)
@@ -107,35 +110,38 @@ def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, tor
 
 
 def test_sharded_budget_below_full_recompute_is_refused_naming_one_that_plans(launch, torchrun) -> None:
-    """A budget below what the step needs with every region recomputed ends every rank with exit 2
-    after the explored steps, naming a budget; that budget then plans."""
-    command = torchrun("-m", "acshim", "run", "--budget", "20MiB", SHARDED, "--engine", "fsdp2")
+    """A budget below what the least plan needs (every region recomputed or offloaded) ends every
+    rank with exit 2 after the explored steps, naming a budget; that budget then plans."""
+    command = torchrun("-m", "acshim", "run", "--budget", "20MiB", SHARDED, "--engine", "fsdp2",
+                       "--rows", "2048,2048,2048,2048,2048")
     result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
     assert result.returncode != 0
-    found = re.search(r"recomputed: [\d.]+ MiB above the step.s start .*; pass --budget ([\d.]+MiB) or more", result.stderr)
+    found = re.search(r"the least any plan of keep, recompute, offload:disk, recompute\+offload:disk needs: [\d.]+ MiB "
+                      r"above the step.s start .*; pass --budget ([\d.]+MiB) or more", result.stderr)
     assert found, result.stderr[-3000:]
     assert "RESULT" not in result.stdout
-    again = launch(torchrun("-m", "acshim", "run", "--budget", found.group(1), SHARDED, "--engine", "fsdp2"),
+    again = launch(torchrun("-m", "acshim", "run", "--budget", found.group(1), SHARDED, "--engine", "fsdp2",
+                            "--rows", "2048,2048,2048,2048,2048"),
                    env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert all(r["equal"] and r["finite"] and max(r["peaks"]) <= r["budget"] for r in again.results), again.results
 
 
 def test_acshim_plan_across_sharded_ranks_prints_one_table_or_says_the_script_was_too_short(launch, torchrun) -> None:
-    """``acshim plan`` on a sharded model: the plan is made when the third step starts, printed once,
+    """``acshim plan`` on a sharded model: the plan is made when the fifth step starts, printed once,
     and every rank exits 0 there; a script that ends before that is an error naming the steps needed."""
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     result = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SHARDED, "--engine", "fsdp2",
-                             "--rows", "2048,2048,2048,2048"), env=env, timeout=240)
+                             "--rows", "2048,2048,2048,2048,2048"), env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("acshim plan: budget") == 1
     assert "measured on the script's own steps, in lock-step" in result.stdout
     assert "RESULT" not in result.stdout
     short = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SHARDED, "--engine", "fsdp2",
-                            "--rows", "2048,2048"), env=env, timeout=240)
+                            "--rows", "2048,2048,2048"), env=env, timeout=240)
     assert short.returncode != 0
     assert "the script ended before its sharded model's plan was made: it is planned on the script's own steps " \
-           "and needs 3 training steps" in short.stderr, short.stderr[-3000:]
+           "and needs 5 training steps" in short.stderr, short.stderr[-3000:]
 
 
 def test_refused_budget_is_named_in_torchruns_failure_summary(launch, torchrun) -> None:

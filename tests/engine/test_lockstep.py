@@ -1,7 +1,8 @@
 """``acshim.planner.lockstep`` on one process, its collectives stood in for by a rank's own numbers
 (tests/distributed runs it on 2 real gloo ranks, FSDP2 and ZeRO-3): a sharded model is planned on
-the script's own steps, two explored and one verified, every step's gradients bitwise equal to no
-checkpointing; a verification over the budget is solved again with the error as room."""
+the script's own steps, two explored recomputed (and one per storage choice: offload:disk,
+recompute+offload:disk) and one verified, every step's gradients bitwise equal to no checkpointing;
+a verification over the budget is solved again with the error as room."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import acshim
 from acshim import region
 from acshim.planner import lockstep
 from acshim.planner import session as session_module
+from acshim.planner.choices import BASE_CHOICES
 from acshim.planner.session import PlanSession
 from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
 
@@ -42,22 +44,27 @@ def one_rank_as_sharded(monkeypatch):
     assert region.ROUTERS == []
 
 
-def test_sharded_model_is_planned_on_its_own_steps_bitwise(one_rank_as_sharded, capsys) -> None:
+@pytest.mark.parametrize("choices", [("keep", "recompute"), BASE_CHOICES], ids=["keep-recompute", "with-storage"])
+def test_sharded_model_is_planned_on_its_own_steps_bitwise(one_rank_as_sharded, capsys, choices) -> None:
     expected = train_step(_model(), _ids(), seed=5)
     model = _model()
     acshim.apply_checkpointing(model)
-    session = PlanSession(0.8).start()
+    session = PlanSession(0.8, choices=choices).start()
     one_rank_as_sharded.append(session)
+    explored = lockstep.explore_steps(session)
+    assert explored == (2 if len(choices) == 2 else 4)  # the storage choices' steps: offload, recompute+offload
     original_backward = torch.autograd.backward
-    for step in range(4):
+    for step in range(explored + 2):
         assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
-        if step < 1:
+        if step < explored - 1:
             assert session.mode == "explore" and session.plan is None
             assert torch.autograd.backward is not original_backward  # measured, forward and backward
     plan = session.plan
     assert plan is not None and session.mode == "planned"
-    assert set(plan.choices) == {"keep", "recompute"}, plan.choices  # some blocks kept, some not
-    assert len(session._lockstep.peaks) == 3  # two explored steps, one verified
+    assert set(plan.profile.choices) == {"keep", "recompute", *(["offload:disk", "recompute+offload:disk"]
+                                                               if len(choices) > 2 else [])}
+    assert set(plan.choices) != {"recompute"}, plan.choices  # some blocks kept (or offloaded), not all recomputed
+    assert len(session._lockstep.peaks) == explored + 1  # the explored steps, one verified
     assert plan.measured_process_peak is not None and plan.measured_process_peak <= plan.budget
     assert torch.autograd.backward is original_backward  # done measuring
     log = capsys.readouterr().err
@@ -69,7 +76,7 @@ def test_a_verified_step_over_the_budget_is_solved_again_with_the_error_as_room(
                                                                               monkeypatch, capsys) -> None:
     model = _model()
     acshim.apply_checkpointing(model)
-    session = PlanSession(0.8).start()
+    session = PlanSession(0.8, choices=("keep", "recompute")).start()
     one_rank_as_sharded.append(session)
     for _ in range(lockstep.EXPLORE_STEPS + 1):  # explored, then the plan's first step
         train_step(model, _ids(), seed=5)
@@ -92,15 +99,16 @@ def test_a_verified_step_over_the_budget_is_solved_again_with_the_error_as_room(
     assert "solved again with the error added" in capsys.readouterr().err
 
 
-def test_a_budget_below_full_recompute_is_refused_after_the_explored_steps(one_rank_as_sharded) -> None:
+def test_a_budget_below_the_least_plan_is_refused_after_the_explored_steps(one_rank_as_sharded) -> None:
     model = _model()
     acshim.apply_checkpointing(model)
     session = PlanSession("1MiB").start()
     one_rank_as_sharded.append(session)
-    for _ in range(lockstep.EXPLORE_STEPS):
+    for _ in range(lockstep.explore_steps(session)):
         train_step(model, _ids(), seed=5)
-    with pytest.raises(session_module.PlanExit, match=r"below what the model's step needs with every region "
-                                                      r"recomputed: .* pass --budget [\d.]+MiB or more") as caught:
+    with pytest.raises(session_module.PlanExit, match=r"below the least any plan of keep, recompute, offload:disk, "
+                                                      r"recompute\+offload:disk needs: .* pass --budget [\d.]+MiB or "
+                                                      r"more") as caught:
         train_step(model, _ids(), seed=5)
     assert caught.value.code == 2
     assert region.ROUTERS == []

@@ -1,8 +1,9 @@
 """A sharded training script, run by tests/distributed as
-``torchrun ... -m acshim run --budget B sharded_budget.py --engine fsdp2|zero3 [--rows R,R,...]``:
+``torchrun ... -m acshim run --budget B sharded_budget.py --engine fsdp1|fsdp2|zero3 [--rows R,R,...] [--blocks N]``:
 the same steps (dropout on, one batch per entry of ``--rows``) without checkpointing and then with
 it, on the same engine: FSDP2 (``fully_shard`` per block and on the root, torch's
-``checkpoint_wrapper`` on the blocks) or a DeepSpeed engine at ZeRO-3 (``deepspeed.checkpointing.
+``checkpoint_wrapper`` on the blocks), FSDP1 (``FullyShardedDataParallel`` wrapping each block and
+the root, ``use_orig_params``, the same ``checkpoint_wrapper``) or a DeepSpeed engine at ZeRO-3 (``deepspeed.checkpointing.
 checkpoint`` in the model's forward). Every rank prints ``RESULT {json}``: whether the full weights
 are bitwise equal, the plan, and each checkpointed step's peak as the kernel saw it (``VmHWM``
 reset before the step, above the resident set at its start; the optimizer's step excluded), and
@@ -22,13 +23,14 @@ from ddp_budget import Block  # this folder is the script's: sys.path[0]
 from torch import nn
 
 WIDTH = 256
+BLOCKS = 4
 
 
 class Net(nn.Module):
     def __init__(self, checkpoint: str) -> None:
         super().__init__()
         self.stem = nn.Linear(WIDTH, WIDTH)
-        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(4))
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(BLOCKS))
         self.head = nn.Linear(WIDTH, 1)
         self.checkpoint = checkpoint
 
@@ -86,6 +88,40 @@ def fsdp2(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]
     return model, model, backward_and_step
 
 
+def fsdp1(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    model = Net("module")
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                                       device_id=torch.device("cpu"))
+    if checkpointed:
+        apply_activation_checkpointing(wrapped, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper),
+                                       check_fn=lambda module: isinstance(module, Block))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+
+    def backward_and_step(loss: torch.Tensor, measure: list[int] | None, start: int) -> None:
+        loss.backward()
+        if measure is not None:
+            measure.append(_kib("VmHWM") - start)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return wrapped, wrapped, backward_and_step
+
+
+def fsdp1_weights(model: nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
 def fsdp2_weights(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
@@ -121,14 +157,14 @@ def zero3_weights(model: nn.Module) -> list[torch.Tensor]:
 
 def train(engine: str, checkpointed: bool, rows: list[int], peaks: list[int] | None) -> list[torch.Tensor]:
     """The steps; the full weights after them."""
-    runner, module, backward_and_step = (fsdp2 if engine == "fsdp2" else zero3)(checkpointed)
+    runner, module, backward_and_step = {"fsdp1": fsdp1, "fsdp2": fsdp2, "zero3": zero3}[engine](checkpointed)
     generator = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randn(count, WIDTH, generator=generator) for count in rows]
     torch.manual_seed(1000 + dist.get_rank())
     for batch in batches:
         start = _step_start()
         backward_and_step(runner(batch), peaks, start)
-    weights = (fsdp2_weights if engine == "fsdp2" else zero3_weights)(module)
+    weights = {"fsdp1": fsdp1_weights, "fsdp2": fsdp2_weights, "zero3": zero3_weights}[engine](module)
     if engine == "zero3":
         runner.destroy()
     return weights
@@ -136,9 +172,11 @@ def train(engine: str, checkpointed: bool, rows: list[int], peaks: list[int] | N
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", choices=("fsdp2", "zero3"), required=True)
+    parser.add_argument("--engine", choices=("fsdp1", "fsdp2", "zero3"), required=True)
     parser.add_argument("--rows", default="2048,2048,2048,2048")
+    parser.add_argument("--blocks", type=int, default=BLOCKS)
     args = parser.parse_args()
+    globals()["BLOCKS"] = args.blocks
     if args.engine == "zero3":
         import deepspeed
 

@@ -1,0 +1,58 @@
+"""Sharded models (FSDP2, ZeRO-3) under ``torchrun -m acshim run --budget`` are offered the storage
+tier's choices too (acshim/planner/lockstep.py, explored.py): after the recomputed steps, one step
+runs every region offloaded to disk and one recomputed with its input on disk, and the plan may mix
+them with keep and recompute. A budget below full recompute's peak, refused before, now plans (FSDP2;
+ZeRO-3 and FSDP1 exact and within budget with these choices offered: test_budget_ranks.py, below); every
+rank's steps from the first planned one stay within it by the kernel's VmHWM, and the full weights
+equal the same engine's without checkpointing bitwise (dropout on, 2 gloo ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARDED = str(Path(__file__).resolve().parent / "scripts" / "sharded_budget.py")
+STORAGE = ("offload:disk", "recompute+offload:disk")
+EXPLORED = 4
+"""Steps explored before the plan: two recomputed, one per storage choice."""
+
+
+@pytest.mark.parametrize(("engine", "blocks", "budget"), [
+    ("fsdp2", "16", "68MiB"),   # full recompute peaks near 73 MiB here, the least plan near 58 MiB
+    # ZeRO-3 is left out: its least plan was predicted at 75-94 MiB in three runs of the 12-block model
+    # (its parameters prefetched in some steps and not others count at every step's start), against
+    # full recompute's 96 MiB: no budget between them plans every time (docs/planner.md, Sharded)
+])
+def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_exactly(
+        launch, torchrun, engine: str, blocks: str, budget: str) -> None:
+    command = torchrun("-m", "acshim", "run", "--budget", budget, SHARDED, "--engine", engine, "--blocks", blocks,
+                       "--rows", ",".join(["2048"] * (EXPLORED + 2)))
+    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = result.results
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["equal"] and r["finite"] for r in ranks), ranks       # bitwise, as without checkpointing
+    assert ranks[0]["choices"] == ranks[1]["choices"], ranks            # one plan, rank 0's
+    assert set(ranks[0]["choices"]) & set(STORAGE), ranks               # the storage tier made it fit
+    for r in ranks:
+        assert len(r["measured"]) == EXPLORED + 1, r                    # explored steps, then one verification
+        assert max(r["measured"][:2]) > r["budget"], r                  # full recompute alone would not fit
+        assert max(r["peaks"][EXPLORED:]) <= r["budget"], r             # every planned step within, by VmHWM
+    assert "(0." in result.stderr and "of the budget, within it)" in result.stderr, result.stderr[-3000:]
+
+
+def test_fsdp1_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(launch, torchrun) -> None:
+    """FSDP1 (``FullyShardedDataParallel`` per block and root, ``use_orig_params``: each rank's
+    parameter shards have their own shapes, so rank 0's model signature is every rank's) is planned
+    in lock-step like FSDP2: one plan, within the budget from its first step, bitwise exact."""
+    command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", "fsdp1",
+                       "--rows", ",".join(["2048"] * (EXPLORED + 2)))
+    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = result.results
+    assert all(r["equal"] and r["finite"] for r in ranks), ranks
+    assert ranks[0]["choices"] == ranks[1]["choices"] and "choices" in ranks[0], ranks
+    assert set(ranks[0]["choices"]) != {"recompute"}, ranks             # the budget left room to keep or offload
+    for r in ranks:
+        assert max(r["peaks"][EXPLORED:]) <= r["budget"], r
