@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -226,7 +227,64 @@ def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn
         return forward, _RecomputeChanged(recompute, forward.storage)
 
     with_offload._acshim_offload = True  # type: ignore[attr-defined]
+    with_offload.__wrapped__ = context_fn  # type: ignore[attr-defined]
+    with_offload._acshim_scope = scope  # type: ignore[attr-defined]
     return with_offload
+
+
+def offload_tier(context_fn: ContextFn | None) -> str:
+    """The storage tier (``"host"`` / ``"disk"``) that ``context_fn``'s offload decisions go to in an
+    acshim region: its ``honour_offload`` scope's, else the shared default scope's."""
+    scope = getattr(context_fn, "_acshim_scope", None)
+    return (scope if scope is not None else _default_scope()).options.storage
+
+
+class OffloadProbe(TorchDispatchMode):
+    """Asks a selective-checkpoint policy about every operator of a forward run under it, as torch's
+    caching mode does (torch/utils/checkpoint.py ``_CachingTorchDispatchMode``: once per operator
+    output, ``SAC_IGNORED_OPS`` skipped), and keeps nothing: ``offloads`` becomes True when it answers
+    ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``. The ``--budget`` planner runs a region's counting
+    forward under it to learn whether the script's policy offloads (then the region runs as asked)."""
+
+    def __init__(self, policy_fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.policy_fn = policy_fn
+        self.offloads = False
+
+    @classmethod
+    def of(cls, context_fn: ContextFn | None) -> OffloadProbe | None:
+        """A probe of ``context_fn``'s policy (an ``honour_offload`` wrapper is looked through; its
+        own contexts are not made, so no offload group starts); None when ``context_fn`` does not make
+        torch's selective-checkpoint pair, or torch has no offload policies."""
+        while getattr(context_fn, "_acshim_offload", False):
+            context_fn = context_fn.__wrapped__  # type: ignore[union-attr]
+        caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+        if (context_fn is None or context_fn is torch_checkpoint.noop_context_fn or not _OFFLOAD_POLICIES
+                or caching is None):
+            return None
+        forward, _ = context_fn()
+        return cls(forward.policy_fn) if isinstance(forward, caching) else None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in _SAC_IGNORED_OPS:
+            decision = self.policy_fn(_policy_context(out), func, *args, **kwargs)
+            if not isinstance(decision, bool) and decision in _OFFLOAD_POLICIES:
+                self.offloads = True
+        return out
+
+
+_SAC_IGNORED_OPS = getattr(torch_checkpoint, "SAC_IGNORED_OPS", frozenset())
+
+
+def _policy_context(out: Any) -> Any:
+    """torch's ``SelectiveCheckpointContext`` for a forward operator (``op_output`` where torch has it)."""
+    context = torch_checkpoint.SelectiveCheckpointContext
+    try:
+        return context(is_recompute=False, op_output=out)
+    except TypeError:  # torch before op_output
+        return context(is_recompute=False)
 
 
 def offload_policies(context_fn: ContextFn, storage: str | None = None, prefetch: int | None = None,

@@ -32,6 +32,12 @@ the storage tier (prefetched back); the offloaded blocks of one model share one 
 ``acshim.offload()`` around the whole step would. ``recompute+offload``: full recompute, the
 block's input goes to the storage tier."""
 
+ASKED = "as-asked"
+"""Not a choice the planner offers: a region whose script's own selective-checkpoint policy offloads
+(``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``, found by ``selective.OffloadProbe``)
+runs with the script's own options, its offload decisions to the storage tier, on every step; it is
+measured that way and is the only choice such a region has (no other is measured for it)."""
+
 DESCRIPTIONS = {
     "keep": "no checkpointing",
     "selective": "recompute, save matmul/attention outputs",
@@ -39,6 +45,7 @@ DESCRIPTIONS = {
     "recompute": "full recompute",
     "offload": "offload saved tensors",
     "recompute+offload": "full recompute, input offloaded",
+    ASKED: "as the script asked (its offload policy)",
 }
 
 
@@ -195,6 +202,12 @@ def is_offload(choice: str) -> bool:
     return choice.partition(":")[0] == "offload"
 
 
+def moves_data(choice: str) -> bool:
+    """True for the choices that copy to a storage tier (the offload choices, and ``ASKED``: the
+    script's policy offloads), whose time the cost model charges for the copies."""
+    return "offload" in choice or choice == ASKED
+
+
 def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, SharedOffload] | None = None,
             *, within_offload: bool = False) -> None:
     """Make ``block`` run as ``choice`` (in place; ``keep`` removes a region the planner installed).
@@ -207,6 +220,8 @@ def install(block: nn.Module, choice: str, prefetch: int = 2, shared: dict[str, 
     if existing is not None:
         block.__dict__.pop(APPLIED_ATTRIBUTE, None)
         uncheckpoint_module(block)
+    if base == ASKED:  # the block's own checkpoint call (the script's policy) stays as it is
+        return
     if within_offload and base in ("keep", "selective", "selective-alt", "recompute"):
         recompute = base != "keep"
         options = choice_options(choice) if recompute else RegionOptions()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import structures
+from .choices import moves_data
 from .profile import Profile
 
 STEPS = 2
@@ -114,7 +115,8 @@ class StepTimer:
             predicted = plan.profile.blocks[index].seconds.get(choice, 0.0) if index < len(plan.profile.blocks) else 0
             if measured and predicted > 0:
                 ratios[index] = statistics.median(measured) / predicted
-        computing = [r for i, r in ratios.items() if "offload" not in plan.choices[i]]
+        # a region run as the script asked moves data but is no choice of the plan: neither scale
+        computing = [r for i, r in ratios.items() if not moves_data(plan.choices[i])]
         offloading = {i: r for i, r in ratios.items() if "offload" in plan.choices[i]}
         if not offloading and plan.outside == "keep":
             return None  # compute costs scale together: another plan would be no faster

@@ -62,7 +62,7 @@ def write_png(plan: object, path: str) -> str:
     figure, (steps, frontier) = plt.subplots(1, 2, figsize=SIZE_INCHES, dpi=DPI,
                                              gridspec_kw={"width_ratios": [3, 2]})
     curves = [("none", ["keep"] * len(profile.blocks), "keep")] if all("keep" in b.held for b in profile.blocks) else []
-    curves.append(("recompute", ["recompute"] * len(profile.blocks), "keep"))
+    curves.append(("recompute", profile.uniform("recompute"), "keep"))
     curves.append(("plan", list(plan.choices), plan.outside))  # type: ignore[attr-defined]
     labels: list[str] = []
     for name, assignment, outside in curves:

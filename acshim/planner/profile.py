@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .. import structures
 from ..apply import APPLIED_ATTRIBUTE
 from ..measure import default_loss
-from .choices import SharedOffload, is_offload
+from .choices import ASKED, SharedOffload, is_offload
 from .costs import RunTime, Stopwatch
 from .tracker import LiveBytes, excluded_keys, grad_keys, storage_key
 
@@ -126,6 +126,11 @@ class Profile:
             worst = max(worst, prefix + block.transient[choice] + extra)
             seen = seen or is_offload(choice)
         return min(INFEASIBLE, other_held + max(worst, prefix + other_transient + (window if seen else 0)))
+
+    def uniform(self, choice: str) -> list[str]:
+        """Every block as ``choice``, but those that run as the script asked (``choices.ASKED``: their
+        only choice): what "every region the same" means for this model."""
+        return [ASKED if feasible(block, ASKED) else choice for block in self.blocks]
 
     def held_of(self, assignment: list[str], outside: str = "keep") -> int:
         held = self.other(outside)[0] + sum(b.held[c] for b, c in zip(self.blocks, assignment, strict=True))

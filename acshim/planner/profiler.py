@@ -28,6 +28,7 @@ budget.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import time
@@ -41,8 +42,17 @@ from torch import nn
 from .. import head, structures
 from ..head import planning_loss
 from ..region_state import region_inputs
+from ..selective import OffloadProbe
 from ..storage.reaper import REAPER
-from .choices import SharedOffload, install_outside, is_offload, offload_scopes, split_outside
+from .choices import (
+    ASKED,
+    SharedOffload,
+    install_outside,
+    is_offload,
+    moves_data,
+    offload_scopes,
+    split_outside,
+)
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
 from .process import Guard, OverBudget, ProcessMemory, trim
@@ -63,7 +73,7 @@ GUARD_MARGIN = 0.01
 """The guard stops a measurement at this share below the budget: room for what it cannot see,
 operators' own scratch memory freed before they return."""
 
-ORDER = (("recompute", "selective-alt", "selective", "keep"), ("offload", "recompute+offload"))
+ORDER = (("recompute", "selective-alt", "selective", "keep"), ("offload", "recompute+offload"), (ASKED,))
 """Choices measured per region, in groups from least to most memory: once one goes over the budget,
 those after it in its group are not tried (they hold more, and their peak alone is no lower). The
 computing choices come first: a storage tier's first real copies leave the process a little larger
@@ -123,6 +133,8 @@ class RegionProfiler:
         self.copies = Copies()
         self.saved: SavedBytes | None = None
         self.keys: dict[Any, int] = {}
+        self._offloading: dict[Any, bool] = {}
+        """Per kind of region (code, owner, shapes): whether the last one's policy offloaded."""
         self.excluded = excluded_keys(root, (args, kwargs))
         self.tracker: LiveBytes | None = None
         self.stops: dict[str, int] = {}
@@ -261,24 +273,33 @@ class RegionProfiler:
                      kwargs: dict[str, Any], site: Any) -> Any:
         """Region ``index`` in the counting step: run with grad, its saved tensors counted and not
         kept; its input copied if no identical region came before; its output detached (so its
-        graph goes at once) and reduced to shapes for the replay."""
+        graph goes at once) and reduced to shapes for the replay. A region given a selective-checkpoint
+        policy runs under ``OffloadProbe``: where the policy offloads, it runs as the script asked
+        (``site.as_asked``) and is distinct from identical regions that do not."""
         args, kwargs = region_inputs(function, args, kwargs)
-        key = (_code_of(function), block_key(site.owner if site.owner is not None else nn.Module(), args, kwargs))
-        site.key = key
-        if key not in self.keys:
-            self.keys[key] = index
-            site.captured = (*self.copies((args, kwargs)), grad_flags((args, kwargs)))
+        base = (_code_of(function), block_key(site.owner if site.owner is not None else nn.Module(), args, kwargs))
+        probe = OffloadProbe.of(site.asked_options.context_fn) if site.asked_options is not None else None
+        guess = (base, self._offloading.get(base, False))  # as the last identical region's policy did
+        captured = (*self.copies((args, kwargs)), grad_flags((args, kwargs))) if guess not in self.keys else None
         saved = self.saved
         assert saved is not None
         saved.owner = index
         start = time.perf_counter()
         try:
-            output = function(*args, **kwargs)
+            with probe if probe is not None else contextlib.nullcontext():
+                output = function(*args, **kwargs)
         except OverBudget as error:
             error.region = index  # type: ignore[attr-defined]
             raise
         finally:
             saved.owner = OUTSIDE
+        site.as_asked = self._offloading[base] = probe is not None and probe.offloads
+        site.key = key = (base, site.as_asked)
+        if key not in self.keys:
+            self.keys[key] = index
+            # guessed wrong: its inputs now (a region that changes its inputs in place is measured
+            # a little off; measurements run on copies, the script's step is not touched)
+            site.captured = captured if key == guess else (*self.copies((args, kwargs)), grad_flags((args, kwargs)))
         site.forward_seconds = time.perf_counter() - start
         site.saved = saved.bytes.get(index, 0)
         site.spec = spec_of(output)
@@ -349,9 +370,11 @@ class RegionProfiler:
                                    {c: float("inf") for c in choices}, window={c: 0 for c in choices},
                                    saved=site.saved)
             self._measured[site.key] = (profile, {}, site)
-            later = [c for c in choices if defer and _bounds_of(c, choices)]
+            # a region the script's offload policy runs is measured so, and only so (choices.ASKED)
+            own = [ASKED] if site.as_asked else [c for c in choices if c != ASKED]
+            later = [c for c in own if defer and _bounds_of(c, choices)]
             over: dict[int, int] = {}  # per group, the least rank that went over the budget
-            for choice in [*sorted((c for c in choices if c not in later), key=_memory_rank), *later]:
+            for choice in [*sorted((c for c in own if c not in later), key=_memory_rank), *later]:
                 group, rank = _memory_rank(choice)
                 if over.get(group, rank) < rank:  # one of its group needing less memory already went over
                     continue
@@ -426,8 +449,8 @@ class RegionProfiler:
         if found is None:
             return False
         runs[choice] = found
-        self.times.observe_run(found.run, moves_data="offload" in choice)
-        in_flight = _in_flight(site) if "offload" in choice else 0
+        self.times.observe_run(found.run, moves_data=moves_data(choice))
+        in_flight = _in_flight(site) if moves_data(choice) else 0
         profile.held[choice], profile.transient[choice] = found.held, found.transient + in_flight
         profile.window[choice] = found.window
         return True
@@ -435,7 +458,7 @@ class RegionProfiler:
     def _estimate_seconds(self) -> None:
         """Every measured choice's seconds from the cost model as calibrated by all runs so far."""
         for profile, runs, _ in self._measured.values():
-            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data="offload" in c, alone=True)
+            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data=moves_data(c), alone=True)
                                     for c in runs})
 
     def _alone(self, site: Any, choice: str) -> ChoiceMeasurement | None:
@@ -506,7 +529,7 @@ class RegionProfiler:
         tracker.release()
         run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
         self.times.observe(run.durations)
-        seconds = run.estimate(self.times, moves_data=any("offload" in c for c in [*choices, outside]))
+        seconds = run.estimate(self.times, moves_data=any(moves_data(c) for c in [*choices, outside]))
         return Verification(series[tracker.marks["forward"] - 1], max(series), process_peak, seconds)
 
 

@@ -4,7 +4,8 @@ recipes (every region the same) predicted from the same profile, and a figure of
 from __future__ import annotations
 
 from .budget import format_bytes
-from .plan import Plan
+from .choices import ASKED
+from .plan import Plan, reference
 from .profile import Profile
 
 
@@ -36,7 +37,9 @@ def baselines(profile: Profile) -> list[tuple[str, str]]:
 def baseline_point(plan: Plan, choice: str) -> tuple[int, float]:
     """Predicted (peak, seconds) of every region run as ``choice``; offload offloads the part outside
     the regions too when it was profiled (as one ``acshim.offload()`` around the step would)."""
-    assignment = [choice] * len(plan.blocks)
+    if choice == "keep" and ASKED in plan.profile.choices:  # no checkpointing runs no policy either
+        return reference(plan.profile)
+    assignment = plan.profile.uniform(choice)
     outside = choice if choice in plan.profile.outside else "keep"
     return plan.profile.peak_of(assignment, outside), plan.profile.seconds_of(assignment, outside)
 

@@ -42,12 +42,14 @@ from .. import region as engine
 from ..options import RegionOptions
 from ..region import owning_module, run_region_now
 from ..region_dialect import ENGINE
+from ..selective import offload_tier
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
 from .aliases import parameters_aliased
 from .budget import BetweenBudget, budget_at_least, format_bytes, parse_budget
 from .choices import (
+    ASKED,
     BASE_CHOICES,
     SharedOffload,
     choice_options,
@@ -247,13 +249,17 @@ class PlanSession:
         # a facade that made the region marks its module (acshim_dialect) or names itself in the
         # region's options (RegionOptions.dialect, see acshim.region_dialect); else the engine's API
         site = RegionSite(function, owner, getattr(owner, "acshim_dialect", None) or options.dialect or ENGINE,
-                          describe(options))
+                          describe(options), asked_options=options)
         self.sites.append(site)
         return site
 
     def run_choice(self, site: RegionSite, choice: str, function: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         """Run one region call as ``choice``."""
+        if choice == ASKED:
+            # the script's own options: its policy's offload decisions go to the storage tier
+            # (acshim.selective.honour_offload); not under no_offload, which would keep them here
+            return run_region_now(function, args, kwargs, site.asked_options or RegionOptions())
         base, _, tier = choice.partition(":")
         if base == "keep":
             engine.STATS.forward(function)
@@ -583,6 +589,8 @@ class PlanSession:
         choices = expand_choices(self.choices, tiers)
         if "recompute" not in choices:
             choices.append("recompute")
+        if any(site.as_asked for site in self.sites):  # their only choice (choices.ASKED)
+            choices.append(ASKED)
         # 2. the part outside the regions, alone (regions replayed): kept, and offloaded per tier
         # (a model that is itself a region has no outside part)
         parts = outside_choices(root, choices) if checkpointed_forward_of(root) is None else ["keep"]
@@ -773,20 +781,30 @@ class PlanSession:
             tail += f"; reused from {self.plan_file} (not profiled again)"
         if brief:
             return f"{chosen}; {tail}"
-        asked: dict[str, int] = {}
-        for site in self.sites:
-            label = f"{site.dialect}: {site.asked}"
-            asked[label] = asked.get(label, 0) + 1
         regions = len(self.sites) or len(plan.blocks)
-        what = f"({', '.join(f'{n} {k}' for k, n in asked.items())}) " if asked else ""
+        as_asked = plan.choices.count(ASKED)
+        replaced = [site for index, site in enumerate(self.sites)
+                    if index >= len(plan.choices) or plan.choices[index] != ASKED]
+        what = _asked_by(replaced)
+        if as_asked:  # the regions the script's offload policy runs are no part of what the plan replaced
+            counts = ", ".join(f"{n} {c}" for c, n in _counts(plan.choices).items() if c != ASKED)
+            outside = "" if plan.outside == "keep" else f"{'; ' if counts else ''}outside the regions: {plan.outside}"
+            replacing = (f"replaced {regions - as_asked} region(s) {what}by the plan ({counts}{outside})"
+                         if regions > as_asked else f"replaced no region{f' ({outside})' if outside else ''}")
+            kept = [site for site in self.sites if site not in replaced]
+            tiers = sorted({offload_tier(site.asked_options.context_fn) for site in kept if site.asked_options})
+            replacing += (f"; {as_asked} region(s) {_asked_by(kept)}run as the script asked (its offload policy"
+                          f"{', to the ' + '/'.join(tiers) + ' tier' if tiers else ''}, on every step)")
+        else:
+            replacing = f"replaced {regions} region(s) {what}by the plan ({chosen})"
         if self.pipeline is not None:
             stage = self.pipeline
             held = self.schedule_held or ScheduleHeld([])
             return (f"acshim: --budget {format_bytes(self.stage_budget or 0)} on rank {rank()}, {stage.describe()}: "
                     f"the schedule holds {format_bytes(held.total)} ({held.describe()}): planned for one microbatch "
                     f"within {format_bytes(plan.budget)} ((the budget less {HEADROOM:.0%} - {format_bytes(held.total)}) / "
-                    f"{stage.in_flight}): replaced {regions} region(s) {what}by the plan ({chosen}); {tail}")
-        return f"acshim: --budget {format_bytes(plan.budget)}: replaced {regions} region(s) {what}by the plan ({chosen}); {tail}"
+                    f"{stage.in_flight}): {replacing}; {tail}")
+        return f"acshim: --budget {format_bytes(plan.budget)}: {replacing}; {tail}"
 
     def report(self) -> str:
         """``acshim plan``'s output: the plan table, with ``sweep`` the frontier and baselines."""
@@ -798,6 +816,19 @@ class PlanSession:
             if self.png:
                 lines.append(write_picture(plan, self.png))
         return "\n".join(lines)
+
+
+def _counts(choices: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[choice] = counts.get(choice, 0) + 1
+    return counts
+
+
+def _asked_by(sites: list[RegionSite]) -> str:
+    """``"(2 torch.utils.checkpoint: selective) "``: which API asked for these regions, and what."""
+    return f"({', '.join(f'{n} {k}' for k, n in _counts([f'{s.dialect}: {s.asked}' for s in sites]).items())}) " \
+        if sites else ""
 
 
 def _offload_rest_of_forward(root: nn.Module, scope: SharedOffload) -> None:
@@ -847,7 +878,7 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
     only, and full recompute, its 0.0, must stay reachable)."""
     none = reference(profile)[0] or profile.recompute_step.get("peak", 0)
     if isinstance(budget, BetweenBudget):
-        full = rounded_peak(profile, ["recompute"] * len(profile.blocks)) if "recompute" in profile.choices else 0
+        full = rounded_peak(profile, profile.uniform("recompute")) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
     return parse_budget(budget, none)
 

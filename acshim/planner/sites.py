@@ -42,6 +42,11 @@ class RegionSite:
     options: RegionOptions | None = None
     choice: str | None = None
     calls: int = 0
+    asked_options: RegionOptions | None = None
+    """The options the script's call gave the region (its ``context_fn`` and all)."""
+    as_asked: bool = False
+    """Its ``context_fn``'s policy offloads (``selective.OffloadProbe`` on the counting forward): it runs
+    with ``asked_options`` on every step (``choices.ASKED``), not as a choice of the plan."""
 
 
 _CALL_CODES = {nn.Module._call_impl.__code__, getattr(nn.Module, "_wrapped_call_impl", nn.Module._call_impl).__code__}
