@@ -127,6 +127,9 @@ class RegionProfiler:
         self.tracker: LiveBytes | None = None
         self.stops: dict[str, int] = {}
         """Per part that could not be measured within the budget, what the process held when stopped."""
+        self.reached: dict[Any, int] = {}
+        """Per measurement that completed (``"count"``, ``("outside", choice)``, ``(region key,
+        choice)``), the most the process held above the step's start while it ran (``needed_for``)."""
         self._window_start = 0
         self._measured: dict[Any, tuple[BlockProfile, dict[str, ChoiceMeasurement], Any]] = {}
         """Per distinct region: its profile (shared by identical ones), measured runs, site."""
@@ -239,6 +242,8 @@ class RegionProfiler:
                 if watch is not None:
                     watch.remove()
         self.counted = saved
+        if stopped is None:
+            self.reached["count"] = self.guard.window_peak
         if stopped is not None:  # outside the except block: the stopped step's frames are gone
             self._settle()
             self.stops["forward"] = stopped[0]
@@ -322,6 +327,7 @@ class RegionProfiler:
             self.stops[f"outside {choice}"] = self.guard.window_peak
             self._settle()
             return {"held": INFEASIBLE, "transient": INFEASIBLE, "seconds": float("inf")}
+        self.reached[("outside", choice)] = self.guard.window_peak
         series = tracker.series(grad_keys(self.root))
         tracker.release()
         held = series[tracker.marks["forward"] - 1]
@@ -439,11 +445,22 @@ class RegionProfiler:
         if found is None:
             return False
         runs[choice] = found
+        self.reached[(key, choice)] = self.guard.window_peak
         self.times.observe_run(found.run, moves_data="offload" in choice)
         in_flight = _in_flight(site) if "offload" in choice else 0
         profile.held[choice], profile.transient[choice] = found.held, found.transient + in_flight
         profile.window[choice] = found.window
         return True
+
+    def needed_for(self, choices: list[str], outside: str) -> int:
+        """The most the process held, above the step's start, in any measurement planning needs for
+        a plan of ``choices`` / ``outside``: the counting forward, the outside part as ``outside``,
+        each distinct region alone as its choice (0 where not measured here: a reused profile). A
+        budget below it stops one of them, however little the plan itself would hold."""
+        keys = [site.key for site in self.session.sites]
+        needs = [self.reached.get("count", 0), self.reached.get(("outside", outside), 0)]
+        needs += [self.reached.get((key, choice), 0) for key, choice in zip(keys, choices, strict=False)]
+        return max(needs)
 
     def _estimate_seconds(self) -> None:
         """Every measured choice's seconds from the cost model as calibrated by all runs so far."""
