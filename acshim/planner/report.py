@@ -15,7 +15,7 @@ def frontier_table(plan: Plan) -> str:
     rows = []
     if plan.least_budget:  # above the table: its rows keep their place under the title
         rows.append(f"least budget that plans: {plan.least_budget} bytes ({format_bytes(plan.least_budget)}): the "
-                    f"least peak below, {format_bytes(plan.overhead)} held besides, the verification's headroom, "
+                    f"least peak in the frontier below, {format_bytes(plan.overhead)} held besides, the verification's headroom, "
                     "every measurement it needs within the guard, 5% margin")
     rows.append("frontier (predicted from the block profile)")
     rows.append(f"{'budget':>12} {'peak':>12} {'peak x':>7} {'step ms':>9} {'step x':>7}  choices")
