@@ -85,6 +85,9 @@ class Plan:
     (``SharedOffload.IN_FLIGHT``), plus the room the budget leaves above the predicted peak and then
     above the verification step's measured peak, up to ``SharedOffload.MAX_IN_FLIGHT`` in all; the
     extra is in ``peak`` (the more in flight, the less forward waits on a slow tier)."""
+    least_budget: int = 0
+    """The least budget that plans this model and batch, from this profile (``least_budget``): what
+    a refusal names and ``acshim plan --sweep`` prints as the frontier's start (0: not known)."""
 
     # -------------------------------------------------------------------------------- apply
     def apply(self, model: nn.Module) -> list[str]:
@@ -315,6 +318,27 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     if reuse is not None:
         result.blocks = list(reuse.blocks)
     return result
+
+
+def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[str], str], int] | None = None,
+                 guard_margin: float = 0.0) -> int:
+    """The least budget that plans, from the planner's own frontier: its least predicted peak
+    (``minimum_peak``) plus ``overhead`` (what the process held besides when solving), over
+    ``1 - HEADROOM`` (the verification's acceptance), and no less than the most any measurement the
+    least plan needs reached (``measured(choices, outside)``: ``RegionProfiler.needed_for``) over
+    ``1 - guard_margin`` (the guard stops that far below the budget); then ``BudgetTooSmall.MARGIN``
+    more, for what one measurement to the next varies. 0 where no plan was measured at all."""
+    low = minimum_peak(profile)
+    if low >= INFEASIBLE:
+        return 0
+    try:
+        found = solve(profile, low)
+    except BudgetTooSmall:
+        return 0
+    need = math.ceil((low + overhead) / (1 - HEADROOM))
+    if measured is not None:
+        need = max(need, math.ceil(measured(found.choices, found.outside) / (1 - guard_margin)))
+    return math.ceil(need * (1 + BudgetTooSmall.MARGIN))
 
 
 def solve_within(profile: Profile, budget: int | float | str, measure: Callable[[Plan], Any] | None, *,

@@ -13,8 +13,13 @@ def frontier_table(plan: Plan) -> str:
     """The predicted memory vs step-time frontier, and uniform recipes beside it (predicted from the
     same block profile: the model never runs without checkpointing)."""
     ref_peak, ref_seconds = plan.reference_peak or 1, plan.reference_seconds or 1.0
-    rows = ["frontier (predicted from the block profile)",
-            f"{'budget':>12} {'peak':>12} {'peak x':>7} {'step ms':>9} {'step x':>7}  choices"]
+    rows = []
+    if plan.least_budget:  # above the table: its rows keep their place under the title
+        rows.append(f"least budget that plans: {plan.least_budget} bytes ({format_bytes(plan.least_budget)}): the "
+                    f"least peak in the frontier below, {format_bytes(plan.overhead)} held besides, the verification's headroom, "
+                    "every measurement it needs within the guard, 5% margin")
+    rows.append("frontier (predicted from the block profile)")
+    rows.append(f"{'budget':>12} {'peak':>12} {'peak x':>7} {'step ms':>9} {'step x':>7}  choices")
     for point in plan.frontier():
         rows.append(f"{format_bytes(point.budget):>12} {format_bytes(point.peak):>12} {point.peak / ref_peak:>7.2f} "
                     f"{point.seconds * 1e3:>9.1f} {point.seconds / ref_seconds:>7.2f}  {_counts(point.choices)}"

@@ -64,10 +64,10 @@ from .feedback import StepTimer
 from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
 from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
-from .plan import HEADROOM, Plan, PlanFileMismatch, load_plan_file, reference, solve_within
+from .plan import HEADROOM, Plan, PlanFileMismatch, least_budget, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
-from .profiler import RegionProfiler, Verification, detached_inputs
+from .profiler import GUARD_MARGIN, RegionProfiler, Verification, detached_inputs
 from .report import frontier_table
 from .sites import (
     RegionSite,
@@ -80,7 +80,7 @@ from .sites import (
     world_size,
 )
 from .snapshot import ModelSnapshot
-from .solver import BudgetTooSmall, fastest, rounded_peak
+from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak
 from .steps import StepStart
 from .warmup import warm_up
 
@@ -477,17 +477,20 @@ class PlanSession:
                 self.stop()
                 if isinstance(error, BudgetTooSmall) and error.suggested:
                     error.args = (f"{error}; pass budget={error.suggested} ({format_bytes(error.suggested)}) or more"
+                                  + (f" ({error.why})" if getattr(error, "why", "") else "")
                                   + (', or memory="tensors" to budget activation tensors alone'
                                      if self.memory == "process" else ""),)
                 raise
             self.stop()
             suggested = error.suggested if isinstance(error, BudgetTooSmall) else 0
+            why = getattr(error, "why", "") if isinstance(error, BudgetTooSmall) else ""
             if suggested and self.pipeline is not None:  # the rank's budget: its schedule's part and each alive
                 held = self.schedule_held.total if self.schedule_held else 0
                 suggested = self.pipeline.in_flight * suggested + held
                 error = ValueError(f"{self.pipeline.describe()}: the schedule holds {format_bytes(held)} besides; "
                                    f"one microbatch: {error}")
-            hint = f"; pass --budget {budget_at_least(suggested)} or more" if suggested else ""
+            hint = (f"; pass --budget {budget_at_least(suggested)} or more" + (f" ({why})" if why else "")
+                    if suggested else "")
             raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}{hint}") from None
         except BaseException:
             snapshot.restore()
@@ -531,8 +534,17 @@ class PlanSession:
                 overhead = profiler.used()
                 if self._agreed():  # every rank solves the same numbers
                     overhead = agree_bytes(overhead, device_of(root))
-                result = solve_within(profile, limit, measure if self.verify else None, retries=self.retries,
-                                      overhead=overhead)
+                least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
+                                     GUARD_MARGIN)
+                try:
+                    result = solve_within(profile, limit, measure if self.verify else None, retries=self.retries,
+                                          overhead=overhead)
+                except BudgetTooSmall as error:
+                    if least:  # the frontier's own start (plan.least_budget), not a guess
+                        error.suggested = max(least, limit + 1)
+                        error.why = _why_least(profile, overhead, least)
+                    raise
+                result.least_budget = least
         finally:
             self._profiler = None
             self.mode = "idle" if self.plan is None else "planned"
@@ -869,6 +881,14 @@ def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int
                 break
             profiler.measure_pending(profile, wanted)
     profile.unmeasured = sorted(profiler.pending())
+
+
+def _why_least(profile: Profile, overhead: int, least: int) -> str:
+    """Why ``least`` (``plan.least_budget``) plans: what it is made of."""
+    return (f"the least peak the planner predicts, {format_bytes(minimum_peak(profile))}, plus "
+            f"{format_bytes(overhead)} the process held besides, with the verification's {HEADROOM:.0%} headroom "
+            f"and every measurement that plan needs within the guard, and {BudgetTooSmall.MARGIN:.0%} more: "
+            f"{format_bytes(least)}")
 
 
 def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
