@@ -7,9 +7,10 @@ so a training step's peak activation memory fits a budget at the least predicted
 
 from __future__ import annotations
 
+from .api import plan
 from .budget import parse_budget
 from .choices import BASE_CHOICES
-from .plan import FrontierPoint, Plan, plan
+from .plan import FrontierPoint, Plan
 from .profile import measure_step
 from .solver import BudgetTooSmall
 

@@ -1,21 +1,19 @@
-"""``acshim.plan``: profile, solve, verify; and the ``Plan`` it returns."""
+"""The ``Plan`` a budget gives (its apply, save and load), and solving a profile within a budget
+(``solve_within``, with verification and re-solves); ``acshim.plan`` itself is in ``planner.api``."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..blocks import find_blocks
 from .budget import format_bytes, parse_budget
 from .choices import (
-    BASE_CHOICES,
     SharedOffload,
     install,
     install_outside,
@@ -23,8 +21,7 @@ from .choices import (
     offload_scopes,
     split_outside,
 )
-from .process import check_memory_kind
-from .profile import INFEASIBLE, ModelState, Profile, feasible, model_signature, run_step
+from .profile import INFEASIBLE, Profile, feasible, model_signature
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
 
 FORMAT = "acshim-plan/1"
@@ -236,88 +233,6 @@ def reference(profile: Profile) -> tuple[int, float]:
         estimated.other_held, estimated.other_transient = profile.other_saved, profile.other_saved
         estimated.other_seconds = min((float(e["seconds"]) for e in profile.outside.values()), default=0.0)
     return max(estimated.peak_of(keep), profile.unchecked_floor), estimated.seconds_of(keep)
-
-
-def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
-         loss_fn: Callable[[Any], torch.Tensor] | None = None, choices: Sequence[str] = BASE_CHOICES,
-         storage: str | Sequence[str] | None = None, prefetch: int = 2, repeats: int = 1, verify: bool = True,
-         retries: int = 6, reuse: Plan | None = None, memory: str = "process") -> Plan:
-    """Choose, per block of ``model``, between keeping, selective recompute, full recompute and
-    offload so that one training step on ``example_batch`` peaks at most ``budget`` bytes of
-    activation memory, as fast as the measurements predict.
-
-    ``budget``: bytes, a size string ("1.5GiB") or a fraction in (0, 1] of the step's peak without
-    checkpointing (predicted from the profile: the model never runs unchecked). It is memory the
-    process has above what it holds when ``acshim.plan`` is called (parameters, gradients): its
-    resident set on CPU, the caching allocator's reserved bytes on a GPU. Planning itself stays
-    within it (measurements that would go over it are stopped, their choice left out).
-    ``choices``: a subset of ``keep, selective, selective-alt, recompute, offload, recompute+offload``.
-    ``storage``: tier(s) for the offload choices (default ``"disk"`` on CPU, ``"host"`` otherwise).
-    With ``verify`` the plan is applied once and measured; a plan measured over budget is re-solved
-    under a tighter budget, and never returned over budget. Raises ``BudgetTooSmall`` (a
-    ``ValueError``) for a budget below the least achievable peak (naming it) or ``ValueError`` for a
-    model without repeated blocks. The model is left as it was (apply the plan with
-    ``plan.apply(model)``). ``reuse``: an earlier plan of this model whose profile is solved again
-    for this budget instead of profiling anew. ``repeats`` is accepted for compatibility: every
-    choice is measured once, its time estimated operator by operator (``planner.costs``).
-    ``memory="tensors"``: the budget counts activation tensor storages only (no guard on the
-    process; for models whose activations are below the 1 MiB the process's memory resolves).
-    With ``memory="process"`` on glibc, the call fixes the process's ``M_MMAP_THRESHOLD`` at 64 KiB
-    (``acshim.allocator.own``; kept where ``MALLOC_MMAP_THRESHOLD_`` is set) so that its resident
-    memory follows what tensors hold; set it before the model is built (or call
-    ``acshim.allocator.own()`` first) to plan from a heap that already follows it.
-    """
-    from ..allocator import own
-    from .session import PlanExit, PlanSession
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"acshim.plan needs an nn.Module, got {type(model).__name__}")
-    if isinstance(budget, (int, float, str)) and not isinstance(budget, bool):
-        parse_budget(budget, 1)  # reject bad budgets before any work
-    else:
-        raise TypeError(f"budget must be bytes, a size string or a fraction, got {budget!r}")
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
-    check_memory_kind(memory)
-    if memory == "process":
-        own()
-    blocks = find_blocks(model)
-    if not blocks:
-        raise ValueError(f"acshim.plan: found no repeated blocks in {type(model).__name__} to plan for")
-    tiers = None if storage is None else ((storage,) if isinstance(storage, str) else tuple(storage))
-    concrete = list(choices)
-    if tiers is not None:
-        from .choices import expand_choices
-
-        concrete = expand_choices(tuple(choices), tiers)
-    if reuse is not None:
-        reuse._blocks_of(model)  # same model, else ValueError
-    state = ModelState(model, blocks)  # the blocks' forwards: recompute regions while planning
-    session = PlanSession(budget, choices=tuple(concrete), storage=None if tiers is None else tiers[0],
-                          prefetch=prefetch, repeats=repeats, exit_after_plan=True, loss_fn=loss_fn, verify=verify,
-                          retries=retries, reuse=reuse.profile if reuse is not None else None, api=True,
-                          feedback=False, memory=memory)
-    model.train()
-    try:
-        install_outside(model, "keep")  # a plan applied before offloads the outside part: not while planning
-        for _, block in blocks:
-            install(block, "recompute")  # each block a region the session routes
-        session.start(baseline_now=True)
-        try:
-            run_step(model, example_batch, loss_fn)
-        except PlanExit as done:
-            if done.code != 0:
-                raise ValueError(done.message) from None
-        else:
-            raise ValueError(f"acshim.plan: no block of {type(model).__name__} ran with grad enabled")
-    finally:
-        session.stop()
-        state.restore()
-    result = session.plan
-    assert result is not None
-    if reuse is not None:
-        result.blocks = list(reuse.blocks)
-    return result
 
 
 def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[str], str], int] | None = None,
