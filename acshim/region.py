@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -103,6 +104,32 @@ def run_region_now(function: Callable[..., Any], args: tuple[Any, ...], kwargs: 
 
 
 
+_CHECKPOINT_GENERATOR_CODE = getattr(getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None),
+                                     "__code__", None)
+
+
+@contextlib.contextmanager
+def _closing_abandoned_checkpoints() -> Any:
+    """Torch before 2.13 (2.11, seen on a GPU machine) leaves a non-reentrant checkpoint whose function
+    raised with its forward context (a selective-checkpoint dispatch mode) and its saved-tensor hooks
+    entered: their generator is suspended in a frame the traceback keeps alive, so the next plain
+    forward ran under them. Close it as the exception leaves, as torch 2.13 does with ``gen.throw``
+    (a generator that torch already finished is left alone). The planner's stopped measurements
+    (``OverBudget`` raised inside forward) and any user error go through here."""
+    try:
+        yield
+    except BaseException as error:
+        if _CHECKPOINT_GENERATOR_CODE is not None:
+            traceback = error.__traceback__
+            while traceback is not None:
+                for value in list(traceback.tb_frame.f_locals.values()):
+                    if (isinstance(value, types.GeneratorType) and value.gi_code is _CHECKPOINT_GENERATOR_CODE
+                            and value.gi_frame is not None and not value.gi_running):
+                        value.close()
+                traceback = traceback.tb_next
+        raise
+
+
 def _run_non_reentrant(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: RegionOptions
 ) -> Any:
@@ -112,7 +139,7 @@ def _run_non_reentrant(
         extra["early_stop"] = options.early_stop
     elif not options.early_stop:
         early_stop_context = torch_checkpoint.set_checkpoint_early_stop(False)
-    with early_stop_context:
+    with early_stop_context, _closing_abandoned_checkpoints():
         return TORCH_CHECKPOINT(
             RegionCall(function, options),
             *args,

@@ -142,6 +142,8 @@ class _RecomputeChanged:
     def __enter__(self) -> Any:
         if _RECOMPUTE is not None:
             for entries in self.storage.values():
+                if not isinstance(entries, dict):  # torch before 2.13: no index to mark
+                    continue
                 for index, entry in list(entries.items()):
                     if any(isinstance(leaf, _OffloadedEntry) and leaf.modified() for leaf in tree_leaves(entry)):
                         dict.__setitem__(entries, index, _RECOMPUTE)
@@ -159,25 +161,58 @@ class _Marker(threading.local):
     offload_next = False
 
 
-class _OffloadingEntries(dict):
-    """One op's cache in torch's SAC storage; an entry stored right after an offload decision is
-    moved to the storage tier (torch's caching mode stores each output just after asking the policy)."""
+class _Offloader:
+    """Moves an op's cached output to the storage tier when it is stored right after an offload
+    decision (torch's caching mode stores each output just after asking the policy)."""
 
     def __init__(self, marker: _Marker, session: Any) -> None:
-        super().__init__()
         self.marker, self.session = marker, session
 
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __call__(self, value: Any) -> Any:
         if self.marker.offload_next:
             self.marker.offload_next = False
             value = tree_map(self._offload, value)
-        super().__setitem__(index, value)
+        return value
 
     def _offload(self, leaf: Any) -> Any:
         val = getattr(leaf, "val", None)
         if isinstance(val, torch.Tensor) and hasattr(leaf, "get_val"):
             return _OffloadedEntry(self.session, val)
         return leaf
+
+
+class _OffloadingEntries(dict):
+    """One op's cache in torch's SAC storage (torch >= 2.13: a dict of call index -> entry, with
+    ``_RECOMPUTE`` for ops not saved); an entry stored after an offload decision goes to the tier."""
+
+    def __init__(self, offloader: _Offloader) -> None:
+        super().__init__()
+        self.offloader = offloader
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, self.offloader(value))
+
+
+class _OffloadingList(list):
+    """The same for torches before 2.13, whose SAC storage keeps a list per op of the saved outputs
+    alone (``append`` when saving, ``pop(0)`` when recomputing); found on torch 2.11 on a GPU."""
+
+    def __init__(self, offloader: _Offloader) -> None:
+        super().__init__()
+        self.offloader = offloader
+
+    def append(self, value: Any) -> None:
+        super().append(self.offloader(value))
+
+
+def _offload_as_save(policy: Callable[..., Any]) -> Callable[..., Any]:
+    def replaying_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = policy(ctx, op, *args, **kwargs)
+        if not isinstance(decision, bool) and decision in _OFFLOAD_POLICIES:
+            return _OFFLOAD_POLICIES[decision]
+        return decision
+
+    return replaying_policy
 
 
 def _default_scope() -> Any:
@@ -223,7 +258,12 @@ def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn
             return decision
 
         forward.policy_fn = offloading_policy
-        forward.storage.default_factory = functools.partial(_OffloadingEntries, marker, session)
+        if getattr(recompute, "policy_fn", None) is policy:
+            # torch before 2.13 asks the policy again when recomputing and replays only saved ops:
+            # an offloaded output must be replayed from the tier, not recomputed beside it
+            recompute.policy_fn = _offload_as_save(policy)
+        layout = _OffloadingList if forward.storage.default_factory is list else _OffloadingEntries
+        forward.storage.default_factory = functools.partial(layout, _Offloader(marker, session))
         return forward, _RecomputeChanged(recompute, forward.storage)
 
     with_offload._acshim_offload = True  # type: ignore[attr-defined]

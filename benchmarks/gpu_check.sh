@@ -5,11 +5,14 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      # default benchmarks/results/gpu_check
 #
-# 1. the `cuda` tests (tests/storage/test_cuda.py), then again under TORCH_CUDA_SANITIZER=1;
+# 1. the `cuda` tests (tests/storage/test_cuda.py), then again under TORCH_CUDA_SANITIZER=1 (on torch
+#    2.11 its trace hook breaks dropout in a non-reentrant recompute, plain torch's too: docs/gpu.md);
 # 2. benchmarks/gpu_probe.py: pinned bandwidth (the copy_ call's host time against the copy's own),
 #    exactness on large tensors, under bf16 autocast, after dropped and partial graphs, on cuda:1
 #    when present, reserved memory against torch's save_on_cpu and torchtune's OffloadActivations;
-# 3. benchmarks/bench_gpu.py on GPT-2 (12 x 768, batch 8 x 512).
+# 3. benchmarks/gpu_planner.py: acshim.plan and acshim run --budget on GPT-2, predicted against
+#    reserved memory;
+# 4. benchmarks/bench_gpu.py on GPT-2 (12 x 768, batch 8 x 512).
 #
 # Each step writes OUT_DIR/<step>.log; OUT_DIR/summary.txt lists each step's exit status and time.
 # Exit status: 0 if every step passed. Without a GPU (or with ACSHIM_GPU_CHECK_DRY=1) it prints what it
@@ -22,9 +25,10 @@ PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's acshim, installed or not
 
 STEPS=(
-  "cuda-tests|120|$PY -m pytest -p no:xdist -p no:cacheprovider -q -m cuda tests/storage/test_cuda.py"
-  "cuda-tests-sanitizer|150|env TORCH_CUDA_SANITIZER=1 $PY -m pytest -p no:xdist -p no:cacheprovider -q -m cuda tests/storage/test_cuda.py"
+  "cuda-tests|60|$PY -m pytest -p no:xdist -p no:cacheprovider -q -m cuda tests/storage/test_cuda.py"
+  "cuda-tests-sanitizer|90|env TORCH_CUDA_SANITIZER=1 $PY -m pytest -p no:xdist -p no:cacheprovider -q -m cuda tests/storage/test_cuda.py"
   "probe|60|$PY benchmarks/gpu_probe.py --out $OUT/probe.json"
+  "planner|120|$PY benchmarks/gpu_planner.py --child-timeout 70 --out $OUT/planner.json"
   "bench-gpt2|130|$PY benchmarks/bench_gpu.py --models gpt2 --layers 12 --width 768 --batch 8 --seq 512 --rounds 3 --steps 2 --out $OUT/gpu.md"
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from contextlib import nullcontext
 
 import torch
 
@@ -107,7 +108,11 @@ def version_probe(tensor: torch.Tensor) -> torch.Tensor | None:
     # Inside a torch dispatch mode (selective checkpointing caches op outputs from one) detach runs
     # below ADInplaceOrView and would not share the counter; switch that key back on, as torch's
     # own _detach_helper does.
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+    # A plain tensor's probe is made below the Python dispatch modes: set_ touches no byte, but a
+    # mode would see it write the tensor's memory (the CUDA sanitizer reported it as a race with the
+    # copy out on an H100); a subclass keeps its own dispatch.
+    hidden = torch._C._DisableTorchDispatch() if type(tensor) in (torch.Tensor, torch.nn.Parameter) else nullcontext()
+    with hidden, torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
         probe = tensor.detach()  # shares the version counter (and, until set_, the storage)
         try:
             probe.set_()  # an empty storage of the same dtype and device

@@ -158,3 +158,37 @@ def test_second_backward_without_retained_graph_raises_torchs_error() -> None:
     loss.backward()
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
         loss.backward()
+
+
+def test_a_region_that_raises_leaves_no_dispatch_mode_or_saved_tensor_hook_behind(monkeypatch):
+    """Torch before 2.13 (2.11, seen on an H100) does not close its checkpoint generator when the
+    function raises: the selective-checkpoint mode and the saved-tensor hooks stayed entered, and the
+    next plain forward ran under them. Simulated here by torch's own generator driven the old way."""
+    import torch.utils.checkpoint as torch_checkpoint
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    import acshim.region
+
+    def old_checkpoint(function, *args, use_reentrant, preserve_rng_state=True, context_fn=None,
+                       determinism_check="default", debug=False, early_stop=True, **kwargs):
+        gen = torch_checkpoint._checkpoint_without_reentrant_generator(
+            function, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs)
+        next(gen)
+        ret = function(*args, **kwargs)  # an exception leaves gen suspended inside its contexts
+        next(gen, None)
+        return ret
+
+    monkeypatch.setattr(acshim.region, "TORCH_CHECKPOINT", old_checkpoint)
+
+    def failing(x):
+        x.sin()  # runs under the selective-checkpoint mode, then the error
+        raise KeyError("user error inside the region")
+
+    context = lambda: create_selective_checkpoint_contexts(lambda *a, **k: CheckpointPolicy.MUST_SAVE)  # noqa: E731
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(KeyError) as caught:  # kept, as a caller that logs or re-raises it later keeps it
+        acshim.checkpoint(failing, x, use_reentrant=False, context_fn=context)
+    assert torch._C._len_torch_dispatch_stack() == 0
+    (x * x).sum().backward()  # a leaked checkpoint pack hook would take these saved tensors
+    assert torch.equal(x.grad, 2 * x.detach())
+    assert caught.traceback  # the traceback lived through the plain step

@@ -187,3 +187,64 @@ def test_unchanged_offloaded_outputs_are_replayed_not_recomputed(tmp_path) -> No
                           context_fn=policy_context(CheckpointPolicy.MUST_CPU_OFFLOAD)).sum().backward()
     assert sum(s.stats.moved for s in sessions) == 1
     assert sum(s.stats.fetched for s in sessions) == 1
+
+
+class _ListCaching(torch.utils.checkpoint._CachingTorchDispatchMode):
+    """Torch before 2.13 (2.11 on a GPU machine): the policy is asked before the op runs, and only
+    the outputs it saves are appended to a list per op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in torch.utils.checkpoint.SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        policy = self.policy_fn(torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False),
+                                func, *args, **kwargs)
+        out = func(*args, **kwargs)
+        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            wrap = torch.utils.checkpoint._VersionWrapper
+            detach = torch.utils.checkpoint._detach_helper
+            self.storage[func].append(torch.utils._pytree.tree_map(lambda x: wrap(detach(x)), out))
+        return out
+
+
+class _ListCached(torch.utils.checkpoint._CachedTorchDispatchMode):
+    """Its recompute side: asks the policy again, replays a saved op with ``pop(0)``."""
+
+    def __init__(self, policy_fn, storage):
+        super().__init__(policy_fn, storage)
+        self.policy_fn = policy_fn
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in torch.utils.checkpoint.SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        policy = self.policy_fn(torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=True),
+                                func, *args, **kwargs)
+        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            return torch.utils._pytree.tree_map(lambda x: x.get_val(False), self.storage[func].pop(0))
+        return func(*args, **kwargs)
+
+
+def test_offload_policy_on_torchs_older_list_storage_is_exact_and_replays_from_the_tier(tmp_path) -> None:
+    """Seen on torch 2.11 (an H100): honour_offload assumed 2.13's dict storage and raised
+    "'_OffloadingEntries' object has no attribute 'append'" at the first offloaded op."""
+    from collections import defaultdict
+
+    stores = []
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_CPU_OFFLOAD if op in MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def old_torch_contexts():
+        storage = defaultdict(list)
+        stores.append(storage)
+        return _ListCaching(policy, storage), _ListCached(policy, storage)
+
+    plain = train_step(seeded(GPT), IDS, loss_fn=_loss)
+    set_defaults(storage="disk", prefetch=0, directory=str(tmp_path))
+    with recording() as sessions:
+        got = train_step(_checkpointed(old_torch_contexts), IDS, loss_fn=_loss)
+    assert_bitwise_equal(plain, got)
+    moved = sum(s.stats.moved for s in sessions)
+    assert moved > 0 and sum(s.stats.fetched for s in sessions) == moved  # every offloaded output replayed
+    assert stores and all(not entries for storage in stores for entries in storage.values())

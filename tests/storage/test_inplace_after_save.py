@@ -243,3 +243,26 @@ def test_message_under_anomaly_mode_is_torchs_too(disk_dir):
         expected = _outcome(lambda: _input_changed(contextlib.nullcontext()))
         got = _outcome(lambda: _input_changed(_scope("disk", 2, disk_dir)))
     assert "Good luck" in expected[1] and got == expected
+
+
+def test_the_version_probe_is_invisible_to_dispatch_modes_and_still_sees_changes():
+    """On an H100, the CUDA sanitizer (a dispatch mode) took the probe's ``set_`` for a write of the
+    saved tensor's bytes, racing the copy out; the probe touches no byte and no mode should see it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from acshim.storage.versions import version_probe
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    tensor = torch.randn(4, requires_grad=True) * 2
+    with Recording():
+        probe = version_probe(tensor)
+    assert probe is not None and seen == []
+    assert probe.untyped_storage().nbytes() == 0 and probe._version == tensor._version
+    tensor.view(2, 2).mul_(2)  # a change through a view
+    assert probe._version == tensor._version > 0
