@@ -139,9 +139,11 @@ def uninstall() -> None:
             if failures:
                 warnings.warn("acshim: uninstall left changes it could not undo: " + "; ".join(failures),
                               PatchWarning, stacklevel=2)
+    from ..head import remove_all  # chunked heads a plan put on models (and TRL's chunk size)
     from ..storage import unwind  # the storage tier's wrapper of torch's backward entry, if it put one
 
     unwind.restore()
+    remove_all()
     _reset_observers()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..head import planning_loss
+from .planning_loss import planning_loss
 from .tracker import LiveBytes, storage_key
 
 

@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from .. import head, structures
-from ..head import planning_loss
 from ..region_state import region_inputs
 from ..selective import OffloadProbe
 from ..storage.reaper import REAPER
@@ -55,6 +54,7 @@ from .choices import (
 )
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
+from .planning_loss import planning_loss
 from .process import Guard, OverBudget, ProcessMemory, trim
 from .profile import (
     INFEASIBLE,

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
 import acshim.head as head
+from acshim.head import chunks, installing, projection
 from acshim.planner.tracker import LiveBytes, excluded_keys, grad_keys
 
 VOCAB, WIDTH = 3000, 32
@@ -162,11 +163,11 @@ def test_logits_changed_before_backward_raise_checkpoint_error() -> None:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
     rows = torch.zeros(4, VOCAB)
-    entry = head._Pending(torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.ones(()), torch.tensor(4.0),
-                          head._checksum(rows + 1), -100, "mean", torch.float32)
+    entry = chunks.PendingLoss(torch.arange(4), torch.zeros(4, dtype=torch.int64), torch.ones(()), torch.tensor(4.0),
+                          chunks.row_checksums(rows + 1), -100, "mean", torch.float32)
     with pytest.raises(CheckpointError, match="recomputed for backward differ"):
-        head._chunk_logits_grad(torch.zeros(4, WIDTH), torch.zeros(VOCAB, WIDTH), None, 0, 4, entry,
-                                head._inverse(entry, 4))
+        projection.chunk_logits_grad(torch.zeros(4, WIDTH), torch.zeros(VOCAB, WIDTH), None, 0, 4, entry,
+                                projection.inverse_rows(entry, 4))
 
 
 def test_forms_it_does_not_chunk_run_as_torch() -> None:
@@ -211,10 +212,10 @@ def test_an_install_leaves_with_its_model(monkeypatch: pytest.MonkeyPatch) -> No
     goes, and a new model that gets the collected one's ``id`` is not taken for installed (keyed
     by ``id(model)``, ``installed_mode`` said "loss" for it and the planner left its head
     unchunked). CPython reuses a freed address for the next object of its size, but not reliably
-    under pytest, so ``head``'s ``id`` gives every model the same number here."""
+    under pytest, so ``acshim.head.installing``'s ``id`` gives every model the same number here."""
     import weakref
 
-    monkeypatch.setattr(head, "id", lambda obj: 12345, raising=False)
+    monkeypatch.setattr(installing, "id", lambda obj: 12345, raising=False)
     model = _model()
     assert head.install(model, "loss") and head.installed_mode(model) == "loss"
     alive = weakref.ref(model)
@@ -225,3 +226,18 @@ def test_an_install_leaves_with_its_model(monkeypatch: pytest.MonkeyPatch) -> No
     assert head.install(fresh, "head") and head.installed_mode(fresh) == "head"
     head.remove(fresh)
     assert head.installed_mode(fresh) is None and len(head.INSTALLS) == 0
+
+
+def test_uninstall_takes_every_chunked_head_off() -> None:
+    """A plan's chunked head is a change to the user's model: ``acshim.uninstall()`` undoes it with
+    the patches, on every model that has one."""
+    import acshim
+
+    models = [_model(), _model()]
+    acshim.install()
+    try:
+        assert head.install(models[0], "head") and head.install(models[1], "loss")
+    finally:
+        acshim.uninstall()
+    assert all("forward" not in m.lm_head.__dict__ and head.installed_mode(m) is None for m in models)
+    assert len(head.INSTALLS) == 0
