@@ -30,7 +30,7 @@ Recognised (the schedules' own objects, never guessed from shapes):
   stages are replayed from their last answers' shapes while planning (``StageRunner.replaying``),
   and a serving stage runs the calls it served in the last whole microbatch (``ServedCalls``). So
   each stage plans on its second microbatch (``after_first_microbatch``); the first runs every
-  region recomputed.
+  region holding least (recomputed, its input offloaded: ``PlanSession._least_options``).
 """
 
 from __future__ import annotations
