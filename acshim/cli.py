@@ -275,6 +275,12 @@ def _end_of_plan(flags: RunFlags, session: Any) -> int:
         from .patching.runner import print_error_line
 
         print_error_line(ended)
+    if session is not None and getattr(session, "still_deferred", False):
+        from .patching.runner import print_error_line
+
+        print_error_line(f"acshim {verb}: --budget {flags.budget}: the script ended before pipeline stage "
+                         f"{session.pipeline.stage} planned: an SMP v1 stage plans on its second microbatch (the first "
+                         "ran every region recomputed); run more than one microbatch or step")
     line = session.rank_summary() if session is not None and getattr(session, "pipeline", None) else None
     if line:  # a pipeline rank: its budget, predicted and measured peak for the whole run
         print(line, file=sys.stderr, flush=True)

@@ -21,6 +21,16 @@ Recognised (the schedules' own objects, never guessed from shapes):
   alive) or ``ScheduleGPipe`` (every microbatch's forward before any backward: all alive); the
   stage module is the stage's ``submod``. Other schedules (interleaved, zero bubble, several stages
   per rank) are refused by name: ``UnplannedPipeline``.
+- SageMaker model parallelism v1 through acshim's facade (``@smp.step``'s ``StepFunction`` runs
+  the step on acshim's own stage runner, ``smdistributed/.../torch/_pipeline_runner.py``): the
+  step function runs each microbatch's forward and backward before the next, so one microbatch is
+  alive at once for ``pipeline: "simple"`` and ``"interleaved"`` alike (the runner's
+  ``ALIVE_AT_ONCE``, counted on the serving stage as ``most_alive``). A stage's part is not one
+  module call: the driver (pp_rank 0) runs the model's forward, whose calls to modules on other
+  stages are replayed from their last answers' shapes while planning (``StageRunner.replaying``),
+  and a serving stage runs the calls it served in the last whole microbatch (``ServedCalls``). So
+  each stage plans on its second microbatch (``after_first_microbatch``); the first runs every
+  region holding least (recomputed, its input offloaded: ``PlanSession._least_options``).
 """
 
 from __future__ import annotations
@@ -52,6 +62,11 @@ class PipelineStage:
     """Microbatches whose activations the schedule keeps alive at once on this stage."""
     owner: Any = None
     """The schedule's object (DeepSpeed's engine, torch's ``PipelineStage``) its counts are read from."""
+    microbatch_key: Any = None
+    """Where the stage's region calls are not inside one call of ``module`` (SMP v1): a callable
+    naming the microbatch the stage is in, so region positions restart with each."""
+    after_first_microbatch: bool = False
+    """The stage plans on a microbatch after its first (whose calls it learns shapes from)."""
 
     def describe(self) -> str:
         return (f"{self.library} stage {self.stage} of {self.stages}, {self.schedule} schedule, {self.microbatches} "
@@ -69,6 +84,8 @@ class PipelineStage:
         """What the schedule holds outside the stage module at most, for a stage whose output (one
         microbatch's) takes ``output_bytes``."""
         inputs = tensor_bytes((self.args, self.kwargs))
+        if self.library.startswith("SageMaker"):
+            return _smp_held(self)
         if self.library.startswith("DeepSpeed"):
             return _deepspeed_held(self, inputs, output_bytes)
         return _torch_held(self, inputs, output_bytes)
@@ -151,6 +168,16 @@ def _torch_held(stage: PipelineStage, inputs: int, outputs: int) -> ScheduleHeld
     ])
 
 
+def _smp_held(stage: PipelineStage) -> ScheduleHeld:
+    """acshim's SMP v1 stage runner (``_pipeline_runner``): each call to or from another stage
+    travels as one message (``_pipeline_transport``): its tensors cloned (``wire_copy``), saved into
+    a byte buffer and copied into a tensor to send; received into a tensor, copied into bytes and
+    loaded. The largest message of the last microbatch, three times, is held at most besides the
+    stage's own part (the arguments, outputs and gradients of calls, which planning runs)."""
+    message = int(getattr(stage.owner, "largest_message", 0))
+    return ScheduleHeld([("a message's copies while it is sent or received (3 x the largest)", 3 * message)])
+
+
 class UnplannedPipeline(ValueError):
     """A pipeline schedule whose microbatches alive at once are not counted yet."""
 
@@ -171,6 +198,8 @@ def pipeline_on_stack() -> PipelineStage | None:
             return _deepspeed_stage(owner, calls)
         elif owner is not None and "torch.distributed.pipelining.stage._PipelineStageBase" in _class_names(owner):
             return _torch_stage(owner, calls, frame)
+        elif owner is not None and frame.f_code.co_name == "__call__" and _SMP_STEP in _class_names(owner):
+            return _smp_stage(frame, calls)
         frame = frame.f_back
     return None
 
@@ -215,3 +244,32 @@ def _torch_stage(stage: Any, calls: list[types.FrameType], frame: types.FrameTyp
                                 "only; use one of them, or drop --budget")
     return PipelineStage("torch.distributed.pipelining", name.removeprefix("Schedule"), stage.submod, *call,
                          stage=index, stages=stages, microbatches=microbatches, in_flight=max(1, alive), owner=stage)
+
+
+_SMP_STEP = "acshim.facades.smdistributed.modelparallel.torch.step.StepFunction"
+
+
+def _smp_stage(frame: types.FrameType, calls: list[types.FrameType]) -> PipelineStage | None:
+    """An ``@smp.step`` function's call on a model split into pipeline stages (see the module docstring)."""
+    model = frame.f_locals.get("model")
+    runner = getattr(model, "runner", None)
+    if runner is None:  # one process, or before the model is partitioned (its trace runs no region)
+        return None
+    from acshim.facades.smdistributed.modelparallel.torch._pipeline_runner import ALIVE_AT_ONCE, ServedCalls
+    from acshim.facades.smdistributed.modelparallel.torch.state_mod import state
+
+    cfg = state.config()
+    if runner.stage == 0:
+        root = model.module
+        call = _module_call(root, calls)
+        if call is None:
+            raise UnplannedPipeline("smp.step on pipeline stage 0: a checkpointed region ran outside the model's "
+                                    "forward (in the step function itself), so the stage has no module to plan; "
+                                    "checkpoint inside the model, or drop --budget")
+        module, args, kwargs = root, *call
+    else:
+        module, args, kwargs = ServedCalls(runner), (), {}
+    return PipelineStage("SageMaker model parallelism v1", str(cfg.values["pipeline"]), module, args, kwargs,
+                         stage=runner.stage, stages=len(runner.ranks), microbatches=int(cfg.microbatches),
+                         in_flight=ALIVE_AT_ONCE, owner=runner, microbatch_key=runner.microbatch_key,
+                         after_first_microbatch=True)

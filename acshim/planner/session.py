@@ -130,7 +130,7 @@ class PlanSession:
     """``process`` (the budget is the process's memory, guarded and verified) or ``tensors`` (tensor
     storages as the tracker counts them: no guard; small test models, whose activations are below
     what the process's memory resolves)."""
-    mode: str = "idle"  # idle -> count / replay / alone / measure (while planning) -> planned
+    mode: str = "idle"  # idle (-> deferred: SMP v1 stage) -> count / replay / alone / measure (planning) -> planned
     position: int = 0
     sites: list[RegionSite] = field(default_factory=list)
     plan: Plan | None = None
@@ -162,6 +162,8 @@ class PlanSession:
     schedule_held: ScheduleHeld | None = None
     """What this rank's pipeline schedule holds outside its stage module (``pipelines``)."""
     _resident_at_start: int = 0
+    _position_key: Any = None
+    """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
     _rank: int = 0
     _rank_budget: int = 0
     """A pipeline rank's whole budget in bytes (``_microbatch_share`` takes one microbatch's from it)."""
@@ -172,6 +174,11 @@ class PlanSession:
     def planned_nothing(self) -> bool:
         """True when no checkpointed region ran with grad enabled: there was nothing to plan."""
         return self.mode == "idle"
+
+    @property
+    def still_deferred(self) -> bool:
+        """True when an SMP v1 pipeline stage (which plans on its second microbatch) never got one."""
+        return self.mode == "deferred"
 
     @property
     def still_exploring(self) -> bool:
@@ -218,12 +225,20 @@ class PlanSession:
     # ---------------------------------------------------------------------------------- routing
     def route(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
               options: RegionOptions) -> Any:
+        if self.pipeline is not None and self.pipeline.microbatch_key is not None:
+            key = self.pipeline.microbatch_key()  # a stage whose regions run outside one module call (SMP v1)
+            if key != self._position_key:
+                self._position_key, self.position = key, 0
+                if self.mode == "deferred":  # a microbatch ran whole: its calls' shapes are known
+                    self.mode = "idle"
         if self.mode == "idle":
             self._plan_now(function, args, kwargs, options)
         index = self.position
         self.position += 1
         if self.mode == "plain":  # estimate.forward_peak's fake forward
             return function(*args, **kwargs)
+        if self.mode == "deferred":  # an SMP v1 stage's first microbatch: the least a region can hold
+            return run_region_now(function, args, kwargs, self._least_options())
         if self.mode == "explore":  # a sharded model's step run recomputed, measured (lockstep)
             self._site(index, function, options).calls += 1
             return self._lockstep.explore(index, function, args, kwargs)  # type: ignore[union-attr]
@@ -317,6 +332,9 @@ class PlanSession:
         except UnplannedPipeline as error:
             self.stop()
             raise PlanExit(2, f"acshim run --budget {self.budget}: {error}") from None
+        if self.pipeline is not None and self.pipeline.after_first_microbatch and self._position_key is None:
+            self._plan_later(self.pipeline)  # this microbatch's regions hold least
+            return
         if self.pipeline is not None:  # each stage is its own planning problem (pipelines)
             # planning's backwards must not reach the received activations: the schedule sends
             # their .grad to the previous stage (storage shared, no copy)
@@ -331,7 +349,9 @@ class PlanSession:
                 raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own first "
                                   "microbatch, and one stage ending there would leave the others waiting; run the "
                                   "script as acshim run --budget B (each stage's plan is logged)")
-            self.schedule_held = self.pipeline.held(_stage_output_bytes(self, self.pipeline, found[1], found[2]))
+            self.schedule_held = self.pipeline.held(
+                _stage_output_bytes(self, self.pipeline, found[1], found[2]) if self.pipeline.microbatch_key is None
+                else 0)
             fraction = _fraction(self.budget)
             if fraction is None and self._budget_bytes is None:  # what the schedule holds is paid first
                 self._budget_bytes = self._microbatch_share(parse_budget(self.budget, 1))
@@ -343,11 +363,7 @@ class PlanSession:
                               "so there is no model to plan for; checkpoint blocks inside the model's forward (or "
                               "drop --budget)")
         root, root_args, root_kwargs = found
-        if self._start is not None:
-            self._baseline = self._start.baseline
-            self._start.stop()
-            self._start = None
-        self._resident_at_start, self._rank = _status_bytes("VmRSS"), rank()
+        self._take_baseline()
         self.root = root
         self._handle = root.register_forward_pre_hook(self._before_step, with_kwargs=True)
         shapes = input_shapes(root_args, root_kwargs)
@@ -381,6 +397,39 @@ class PlanSession:
         self._announce(self.plan)  # type: ignore[arg-type]
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
+
+    def _take_baseline(self) -> None:
+        """The budget's baseline: the process memory when the first planned step started."""
+        if self._start is not None:
+            self._baseline = self._start.baseline
+            self._start.stop()
+            self._start = None
+        if not self._resident_at_start:
+            self._resident_at_start = _status_bytes("VmRSS")
+        self._rank = rank()
+
+    def _plan_later(self, stage: PipelineStage) -> None:
+        """A pipeline stage that plans on its second microbatch (``pipelines``, SMP v1): the budget's
+        baseline is this step's start; this microbatch's regions run holding least (``_least_options``)
+        while the runner learns the shapes of the stage's calls."""
+        if stage.stage > 0 and self._start is not None:
+            # a serving stage's regions run in calls it serves, not inside one module call started this
+            # microbatch, so the latest outermost module call may be far older: the baseline is now,
+            # when its first call of the step runs (it holds that call's received arguments)
+            self._start.stop()
+            self._start = None
+            self._baseline = _fresh_baseline(self._memory or ProcessMemory("cpu", enabled=self.memory == "process"))
+        self._take_baseline()
+        self.pipeline = stage
+        self._position_key = stage.microbatch_key()
+        self.mode = "deferred"
+
+    def _least_options(self) -> RegionOptions:
+        """The region options holding least while no plan is made yet: recomputed, with the input
+        offloaded where the choices offer it (``recompute+offload``), else recomputed."""
+        tier = self.storage or "disk"
+        least = [c for c in expand_choices(self.choices, (tier,)) if c.startswith("recompute+offload")]
+        return choice_options(least[0]) if least else RegionOptions()
 
     def _announce(self, plan: Plan) -> None:
         """The log line (and picture) of a plan just made; after ``acshim plan``, its table, and the
@@ -467,8 +516,8 @@ class PlanSession:
         if self._baseline is None:
             self._baseline = _fresh_baseline(memory)
         baseline = self._baseline
-        try:
-            with _counters_paused(), parameters_aliased(root):  # profiling never reaches the real parameters
+        try:  # profiling never reaches the real parameters, nor (replayed) another pipeline stage
+            with _counters_paused(), parameters_aliased(root), _replaying(self.pipeline):
                 self.plan = self._solve(root, args, kwargs, memory, baseline)
         except (BudgetTooSmall, ValueError) as error:
             snapshot.restore()
@@ -994,6 +1043,20 @@ def check_budget(budget: Any) -> None:
 
 
 _check_budget = check_budget  # the former name
+
+
+@contextlib.contextmanager
+def _replaying(stage: PipelineStage | None) -> Iterator[None]:
+    """While planning an SMP v1 stage, its runner replays calls to other stages (``pipelines``)."""
+    runner = stage.owner if stage is not None and stage.microbatch_key is not None else None
+    if runner is None:
+        yield
+        return
+    runner.replaying = True
+    try:
+        yield
+    finally:
+        runner.replaying = False
 
 
 @contextlib.contextmanager

@@ -192,15 +192,16 @@ def test_values_crossing_a_boundary_keep_every_tensor_visible_to_autograd():
         pack((_Holder(a),))
 
 
-def test_budget_planner_with_pipeline_across_ranks_is_refused_by_name(monkeypatch):
+def test_budget_planner_with_pipeline_across_ranks_is_accepted_tensor_and_sharded_parallelism_refused(monkeypatch):
     from acshim import region
     from acshim.facades.smdistributed.modelparallel.torch import _require_supported_layout
     from acshim.facades.smdistributed.modelparallel.torch.config import parse_config
     from acshim.planner.session import PlanSession
 
-    config = parse_config({"pipeline_parallel_degree": 2, "ddp": True}, use_environment=False)
-    _require_supported_layout(config, 2)  # without --budget: two stages on two ranks
     monkeypatch.setattr(region, "ROUTERS", [PlanSession("0.5")])  # what `acshim run --budget 0.5` installs
-    with pytest.raises(SMPUnsupportedError, match="does not plan pipeline stages yet; drop --budget"):
-        _require_supported_layout(config, 2)
-    _require_supported_layout(parse_config({"ddp": True}, use_environment=False), 2)  # data parallel plans
+    _require_supported_layout(parse_config({"pipeline_parallel_degree": 2, "ddp": True}, use_environment=False), 2)
+    for key, what in (("tensor_parallel_degree", "tensor parallelism"),
+                      ("sharded_data_parallel_degree", "sharded data parallelism")):
+        config = parse_config({key: 2, "ddp": True}, use_environment=False)
+        with pytest.raises(SMPUnsupportedError, match=f"{key}=2 with 2 processes: acshim does not provide {what}"):
+            _require_supported_layout(config, 2)

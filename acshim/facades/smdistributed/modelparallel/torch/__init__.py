@@ -132,11 +132,6 @@ def _require_supported_layout(cfg: Any, world_size: int) -> None:
                 f"set {key} to 1 and use pipeline_parallel_degree and data parallelism (ddp), with activation "
                 "checkpointing for memory")
     stages = cfg.values["pipeline_parallel_degree"]
-    if stages > 1 and _budget_planner_active():
-        raise SMPUnsupportedError(
-            f"acshim run --budget with smp config pipeline_parallel_degree={stages} across {world_size} processes: the "
-            "budget planner plans one process's whole model and does not plan pipeline stages yet; drop --budget "
-            "(checkpoint with smp.set_activation_checkpointing) or set pipeline_parallel_degree to 1")
     if world_size % stages != 0:
         raise SMPUnsupportedError(
             f"smp config pipeline_parallel_degree={stages} with {world_size} processes: the number of processes must "
@@ -145,13 +140,6 @@ def _require_supported_layout(cfg: Any, world_size: int) -> None:
         raise SMPUnsupportedError(
             f"{world_size} processes with pipeline_parallel_degree={stages} are {world_size // stages} data-parallel "
             "replicas, which SMP runs through DDP: set 'ddp': True in the smp config")
-
-
-def _budget_planner_active() -> bool:
-    """Whether ``acshim run --budget`` / ``acshim plan`` routes this process's regions to a plan."""
-    from acshim.region import ROUTERS
-
-    return any(type(router).__name__ == "PlanSession" for router in ROUTERS)
 
 
 def is_initialized() -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from acshim.region import ROUTERS
+
 LOGGER = logging.getLogger("smdistributed.modelparallel")
 
 
@@ -124,7 +126,7 @@ def measure(root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T
         if stack and id(tensor) not in param_ids:
             owner = stack[-1]
             costs.activations[owner] = costs.activations.get(owner, 0) + tensor.numel() * tensor.element_size()
-        return tensor
+        return None  # counted, not kept: the trace holds no whole model's activations (the graph is dropped unused)
 
     handles = []
     for module in root.modules():
@@ -132,10 +134,13 @@ def measure(root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T
         handles.append(module.register_forward_hook(after))
     rng = torch.get_rng_state()
     buffers = [(b, b.detach().clone()) for b in root.buffers()]
+    routers = list(ROUTERS)  # a budget planner plans each stage once partitioned, not this trace
+    ROUTERS.clear()
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             root(*args, **kwargs)
     finally:
+        ROUTERS.extend(routers)
         for handle in handles:
             handle.remove()
         torch.set_rng_state(rng)
@@ -143,6 +148,10 @@ def measure(root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T
             for buffer, saved in buffers:
                 buffer.copy_(saved)
     return costs
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("the partitioning trace's graph is never run backward")
 
 
 def _split_evenly(costs: list[int], stages: int) -> list[int]:

@@ -25,7 +25,14 @@ Schedule: one stage computes at a time, microbatch after microbatch (forward the
 the step function asks for). SMP's ``pipeline: "interleaved"`` and ``"simple"`` differ only in
 the order stages overlap work, not in any value, so both run this order and give the same
 gradients. What this gives is SMP's memory split (each stage saves only its own activations and
-computes only its own parameters' gradients), not its overlap of stages in time.
+computes only its own parameters' gradients), not its overlap of stages in time. So at most one
+microbatch's activations are alive on a stage at a time (``ALIVE_AT_ONCE``; ``most_alive`` counts
+it on a serving stage: the microbatches its saved calls belong to).
+
+For ``acshim run --budget`` (``acshim.planner.pipelines``) each stage keeps what its planning needs
+to run its own part alone: the output shapes of every call it made to another stage
+(``remote_specs``, replayed while ``replaying``: no message leaves the stage) and, on a serving
+stage, the calls it served in the last whole microbatch (``ServedCalls`` runs them again).
 """
 
 from __future__ import annotations
@@ -38,12 +45,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from acshim.planner.replay import TensorSpec
 from acshim.policy import strategy_groups
 from acshim.region import run_region
 
 from . import _pipeline_transport as transport
 from ._partitioning import module_list, parents_of
 from .exceptions import CheckpointingConfigError, SMPUnsupportedError
+from .state_mod import state
+
+ALIVE_AT_ONCE = 1
+"""Microbatches whose activations a stage holds at once: the step function runs each microbatch's
+forward and the backward it asks for before the next microbatch starts, for ``pipeline: "simple"``
+and ``"interleaved"`` alike."""
 
 # -- messages ---------------------------------------------------------------------------------------
 
@@ -62,6 +76,7 @@ class Forward:
     requires_grad: list[bool]
     grad_enabled: bool
     rng: torch.Tensor
+    microbatch: int = 0
 
 
 @dataclass
@@ -201,6 +216,22 @@ class StageRunner:
         self._next_request = 0
         self._warned: set[int] = set()
         self.parameter_stage = self._parameter_stages()
+        self.steps = 0
+        """Steps ended so far (with ``microbatch``, where a stage is in the run)."""
+        self.served_microbatch = 0
+        self.remote_specs: dict[tuple[int, tuple[Any, ...]], tuple[Any, list[TensorSpec]]] = {}
+        """Per (stage, call key): the skeleton and tensor specs of the latest answer (for ``replaying``)."""
+        self.replaying = False
+        """While set, a call to another stage returns outputs shaped as its last answer, sending nothing."""
+        self.largest_message = 0
+        """The most tensor bytes one call's arguments or answer carried."""
+        self.served_calls: list[ServedCall] = []
+        self.last_served_calls: list[ServedCall] = []
+        """The calls served in the last whole microbatch (a serving stage's planning runs them again)."""
+        self._served_key: tuple[int, int] | None = None
+        self._alive: dict[tuple[int, int], int] = {}
+        self.most_alive = 0
+        """The most microbatches whose saved calls this stage held at once."""
 
     # -- placement queries ----------------------------------------------------------------------
 
@@ -308,8 +339,14 @@ class StageRunner:
             return run_region(run_group, inputs, {}, region_options(preserve_rng_state))
         return run_group(*inputs)
 
+    def microbatch_key(self) -> tuple[int, int]:
+        """(steps ended, microbatch) of the work this stage is doing now."""
+        return (self.steps, state.microbatch if self.stage == 0 else self.served_microbatch)
+
     def call(self, stage: int, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``key`` on ``stage`` with these arguments; differentiable when grad is enabled."""
+        if self.replaying:
+            return self._replay(stage, key, args, kwargs)
         skeleton, tensors = transport.pack((args, kwargs))
         if not torch.is_grad_enabled():
             _, (out_skeleton, out_tensors), _ = self.forward_on(stage, key, skeleton, tensors, grad_enabled=False)
@@ -324,11 +361,28 @@ class StageRunner:
         request = self._next_request
         self._next_request += 1
         message = Forward(request, key, skeleton, [transport.wire_copy(t) for t in tensors],
-                          [t.requires_grad for t in tensors], grad_enabled, torch.get_rng_state())
+                          [t.requires_grad for t in tensors], grad_enabled, torch.get_rng_state(),
+                          self.microbatch_key()[1])
         transport.send(message, self.ranks[stage])
         answer = self.wait_for(ForwardDone, request)
         torch.set_rng_state(answer.rng)
+        self.remote_specs[(stage, key)] = (answer.skeleton, [
+            TensorSpec(tuple(t.shape), t.dtype, t.device, needed) for t, needed in zip(answer.tensors, answer.requires_grad)])
+        self.largest_message = max(self.largest_message, _bytes(tensors), _bytes(answer.tensors))
         return request, (answer.skeleton, answer.tensors), answer.requires_grad
+
+    def _replay(self, stage: int, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call to another stage while planning: outputs shaped as its last answer, connected to
+        the call's inputs for backward (``acshim.planner.replay``); nothing is sent."""
+        from acshim.planner.replay import replay_spec
+
+        recorded = self.remote_specs.get((stage, key))
+        if recorded is None:
+            raise RuntimeError(f"pipeline stage {self.stage}: planning reached a call to stage {stage} ({key[0]}) that "
+                               "the last microbatch did not make; its output shapes are unknown")
+        skeleton, specs = recorded
+        outputs = replay_spec(list(specs), args, kwargs) if specs else []
+        return transport.unpack(skeleton, list(outputs))
 
     def backward_on(self, stage: int, request: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         transport.send(Backward(request, [transport.wire_copy(g) for g in grads]), self.ranks[stage])
@@ -362,7 +416,21 @@ class StageRunner:
         except Exception as error:  # every failure goes back to the waiting caller
             transport.send(Failed(message.request, f"{type(error).__name__}: {error}"), sender)
 
+    def _note_served(self, sender: int, message: Forward) -> None:
+        """Keep the call's shape for planning; a new microbatch moves the last one's calls aside."""
+        key = (self.steps, message.microbatch)
+        if key != self._served_key:
+            if self.served_calls:
+                self.last_served_calls = self.served_calls
+            self.served_calls, self._served_key = [], key
+        self.served_microbatch = message.microbatch
+        self.served_calls.append(ServedCall(message.key, message.skeleton, [
+            TensorSpec(tuple(t.shape), t.dtype, t.device, False) for t in message.tensors],
+            list(message.requires_grad), message.grad_enabled))
+        self.largest_message = max(self.largest_message, _bytes(message.tensors))
+
     def _serve_forward(self, sender: int, message: Forward) -> None:
+        self._note_served(sender, message)
         inputs = [t.requires_grad_(needed) if needed and (t.is_floating_point() or t.is_complex()) else t
                   for t, needed in zip(message.tensors, message.requires_grad)]
         torch.set_rng_state(message.rng)
@@ -374,13 +442,17 @@ class StageRunner:
             args, kwargs = transport.unpack(message.skeleton, used)
             skeleton, outputs = transport.pack(self.run_target(message.key, args, kwargs))
         requires_grad = [t.requires_grad for t in outputs]
+        self.largest_message = max(self.largest_message, _bytes(outputs))
         if message.grad_enabled and any(requires_grad):
             self.records[(sender, message.request)] = (inputs, outputs)
+            self._alive[(sender, message.request)] = message.microbatch
+            self.most_alive = max(self.most_alive, len(set(self._alive.values())))
         transport.send(ForwardDone(message.request, skeleton, [transport.wire_copy(t) for t in outputs],
                                    requires_grad, torch.get_rng_state()), sender)
 
     def _serve_backward(self, sender: int, message: Backward) -> None:
         inputs, outputs = self.records.pop((sender, message.request))
+        self._alive.pop((sender, message.request), None)
         pairs = [(o, g) for o, g in zip(outputs, message.grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -393,6 +465,8 @@ class StageRunner:
             sender, message = transport.receive()
             if isinstance(message, End):
                 self.records.clear()
+                self._alive.clear()
+                self.steps += 1
                 if message.error is not None:
                     raise PipelineAborted(message.error)
                 return message
@@ -401,11 +475,60 @@ class StageRunner:
     def end_step(self, outputs: Any = None, error: str | None = None) -> None:
         """The driver: tell every other stage the step is over (with its outputs, or its error)."""
         self.records.clear()
+        self.steps += 1
         skeleton, tensors = transport.pack(outputs)
         message = End(skeleton, [transport.wire_copy(t) for t in tensors], torch.get_rng_state(), error)
         for stage, rank in enumerate(self.ranks):
             if stage != self.stage:
                 transport.send(message, rank)
+
+
+@dataclass
+class ServedCall:
+    """A call a serving stage ran: what it ran, and its arguments' shapes."""
+
+    key: tuple[Any, ...]
+    skeleton: Any
+    specs: list[TensorSpec]
+    requires_grad: list[bool]
+    grad_enabled: bool
+
+
+class ServedCalls(nn.Module):
+    """A serving stage's part of one microbatch as one module, for planning it alone: the calls it
+    served in the last whole microbatch run again in order, each on fresh arguments of the recorded
+    shapes handled as ``_serve_forward`` handles a request's (a clone of each input that requires
+    grad), its calls to other stages replayed (``replaying``). Returns the sum of every output that
+    requires grad first (a backward through it reaches every call), then the outputs."""
+
+    def __init__(self, runner: StageRunner) -> None:
+        super().__init__()
+        self.model = runner.root
+        object.__setattr__(self, "runner", runner)
+        self.calls = list(runner.last_served_calls)
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        outputs: list[torch.Tensor] = []
+        for call in self.calls:
+            inputs = [_fresh(spec, needed) for spec, needed in zip(call.specs, call.requires_grad)]
+            with torch.set_grad_enabled(call.grad_enabled):
+                used = [t.clone() if t.requires_grad and call.grad_enabled else t for t in inputs]
+                args, kwargs = transport.unpack(call.skeleton, used)
+                _, produced = transport.pack(self.runner.run_target(call.key, args, kwargs))
+            outputs += [t for t in produced if t.requires_grad]
+        if not outputs:
+            raise RuntimeError(f"pipeline stage {self.runner.stage}: the last microbatch's calls here computed "
+                               "nothing that needs a gradient")
+        return (sum(t.float().sum() for t in outputs), *outputs)
+
+
+def _fresh(spec: TensorSpec, needed: bool) -> torch.Tensor:
+    tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+    return tensor.requires_grad_() if needed and (tensor.is_floating_point() or tensor.is_complex()) else tensor
+
+
+def _bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def install(runner: StageRunner) -> None:
@@ -418,5 +541,5 @@ def install(runner: StageRunner) -> None:
             module.forward = StageDispatch(runner, module)
 
 
-__all__ = ["Assignment", "End", "PipelineAborted", "RemoteCall", "StageDispatch", "StageRunner", "install",
-           "partition_groups"]
+__all__ = ["ALIVE_AT_ONCE", "Assignment", "End", "PipelineAborted", "RemoteCall", "ServedCall", "ServedCalls",
+           "StageDispatch", "StageRunner", "install", "partition_groups"]

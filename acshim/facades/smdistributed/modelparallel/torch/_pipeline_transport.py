@@ -55,33 +55,36 @@ class Slot:
 def pack(value: Any) -> tuple[Any, list[torch.Tensor]]:
     """``value`` with each tensor replaced by a ``Slot``, and the tensors in slot order."""
     tensors: list[torch.Tensor] = []
+    return _walk(value, tensors), tensors
 
-    def walk(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-            return Slot(len(tensors) - 1)
-        if isinstance(item, tuple) and hasattr(item, "_fields"):
-            return type(item)(*(walk(x) for x in item))
-        if type(item) in (tuple, list):
-            return type(item)(walk(x) for x in item)
-        if type(item) is dict:
-            return {key: walk(x) for key, x in item.items()}
-        if dataclasses.is_dataclass(item) and not isinstance(item, type):  # Hugging Face's ModelOutput too
-            fields = {f.name: walk(getattr(item, f.name)) for f in dataclasses.fields(item) if f.init}
-            return _DataclassOf(type(item), fields)
-        if isinstance(item, dict):
-            template = copy.copy(item)
-            for key, x in item.items():
-                template[key] = walk(x)
-            return _DictOf(template)
-        held = [k for k, v in getattr(item, "__dict__", {}).items() if isinstance(v, torch.Tensor)]
-        if held:
-            raise TypeError(
-                f"a {type(item).__name__} holding tensors ({', '.join(held)}) crosses a pipeline partition boundary: "
-                "pass and return tensors in tuples, lists, dicts or dataclasses, so their gradients can follow them")
-        return item
 
-    return walk(value), tensors
+def _walk(item: Any, tensors: list[torch.Tensor]) -> Any:
+    """``pack``'s walk: a module-level function, as a closure calling itself is a reference cycle
+    that would keep ``tensors`` (a call's outputs, a message's arguments) alive until the garbage
+    collector ran (measured: 24 MiB more at a serving stage's peak)."""
+    if isinstance(item, torch.Tensor):
+        tensors.append(item)
+        return Slot(len(tensors) - 1)
+    if isinstance(item, tuple) and hasattr(item, "_fields"):
+        return type(item)(*(_walk(x, tensors) for x in item))
+    if type(item) in (tuple, list):
+        return type(item)(_walk(x, tensors) for x in item)
+    if type(item) is dict:
+        return {key: _walk(x, tensors) for key, x in item.items()}
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):  # Hugging Face's ModelOutput too
+        fields = {f.name: _walk(getattr(item, f.name), tensors) for f in dataclasses.fields(item) if f.init}
+        return _DataclassOf(type(item), fields)
+    if isinstance(item, dict):
+        template = copy.copy(item)
+        for key, x in item.items():
+            template[key] = _walk(x, tensors)
+        return _DictOf(template)
+    held = [k for k, v in getattr(item, "__dict__", {}).items() if isinstance(v, torch.Tensor)]
+    if held:
+        raise TypeError(
+            f"a {type(item).__name__} holding tensors ({', '.join(held)}) crosses a pipeline partition boundary: "
+            "pass and return tensors in tuples, lists, dicts or dataclasses, so their gradients can follow them")
+    return item
 
 
 @dataclass(frozen=True)
