@@ -10,7 +10,8 @@ planning step, which the script continues after the plan is made: a forward hook
 the process's memory when its forward ends, a recording dispatch mode samples the process after
 every operator (as ``process.Guard`` does, without a limit), and a gradient hook on the model's
 outputs closes the window. Nothing is computed differently; the mode leaves the stack at the next
-step's start (a backward restores the thread's dispatch modes as they were when it began).
+step's start (a backward restores the thread's dispatch modes as they were when it began), and is
+not pushed where the script has a dispatch mode of its own on the stack (then nothing is charged).
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+)
 
 from .. import structures
 from .process import ProcessMemory
@@ -62,8 +67,8 @@ class ScriptLossWindow:
             return
         outputs = [leaf for leaf in structures.flatten(output)[0]
                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if not outputs or not self.memory.available:
-            return
+        if not outputs or not self.memory.available or _get_current_dispatch_mode_stack():
+            return  # another mode on the stack (the script's own) might be popped above the sampler
         self._start = self.memory.current()
         self._sampler = _Sampler(self.memory)
         self._sampler.__enter__()
