@@ -1006,6 +1006,9 @@ def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[
     if meta is not None:
         return size(meta)
     previous, position = session.mode, session.position
+    # a fake forward still runs some in-place updates of real state for real (BatchNorm's 0-dim
+    # num_batches_tracked, measured): the stage's buffers and attributes are put back after it
+    snapshot = ModelSnapshot(stage.module)
     try:  # the script's RNG and region counts stay as they were
         with _counters_paused(), torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) \
                 as mode, torch.no_grad():
@@ -1016,6 +1019,7 @@ def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[
     except Exception:  # a forward that depends on values, or an operator without a fake kernel
         return tensor_bytes((args, kwargs))
     finally:
+        snapshot.restore()
         session.mode, session.position = previous, position
 
 

@@ -17,25 +17,15 @@ from pathlib import Path
 
 import pytest
 
+MEMORY_FUNCTIONS = (Path(__file__).parent / "vmhwm_functions.py").read_text()
+"""rss(), hwm() and reset(), pasted into the probe scripts."""
+
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
 PROBE = """
 import ctypes, json, os, sys, time, torch
 torch.set_num_threads(1)
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-def reset():
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
+""" + MEMORY_FUNCTIONS + """
 def budget():
     import acshim.region
     routers = acshim.region.ROUTERS

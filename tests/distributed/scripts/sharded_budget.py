@@ -61,6 +61,19 @@ def _step_start() -> int:
     return _kib("VmRSS")
 
 
+def _stepper(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
+    """A torch-optimizer step: backward, the step's VmHWM above ``start`` appended to ``measure``, step."""
+
+    def backward_and_step(loss: torch.Tensor, measure: list[int] | None, start: int) -> None:
+        loss.backward()
+        if measure is not None:
+            measure.append(_kib("VmHWM") - start)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return backward_and_step
+
+
 def fsdp2(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
@@ -78,14 +91,7 @@ def fsdp2(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def backward_and_step(loss: torch.Tensor, measure: list[int] | None, start: int) -> None:
-        loss.backward()
-        if measure is not None:
-            measure.append(_kib("VmHWM") - start)
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return model, model, backward_and_step
+    return model, model, _stepper(optimizer)
 
 
 def fsdp1(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]]:
@@ -105,14 +111,7 @@ def fsdp1(checkpointed: bool) -> tuple[nn.Module, nn.Module, Callable[..., None]
                                        check_fn=lambda module: isinstance(module, Block))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
 
-    def backward_and_step(loss: torch.Tensor, measure: list[int] | None, start: int) -> None:
-        loss.backward()
-        if measure is not None:
-            measure.append(_kib("VmHWM") - start)
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return wrapped, wrapped, backward_and_step
+    return wrapped, wrapped, _stepper(optimizer)
 
 
 def fsdp1_weights(model: nn.Module) -> list[torch.Tensor]:
