@@ -322,6 +322,10 @@ class PlanSession:
             self._charge_script_part(module, tuple(args), dict(kwargs), needed)
         if self._timer is not None:
             self._timer.step_started(module, tuple(args), dict(kwargs))
+        # a plan made or re-solved just now was verified on whole steps of the model, which moved
+        # the count on: this step's regions start at 0 again (past the plan's end a region runs as
+        # a plain recompute, the plan's offloads and keeps left out)
+        self.position = 0
 
     # ---------------------------------------------------------------------------------- planning
     def _plan_now(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
