@@ -3,8 +3,10 @@ forward (README's train.py: ``model(x).square().mean().backward()``; a loop doin
 returned logits) allocates output-sized temporaries and their backward that the planner's own
 planning loss (a sum) never needs. ``acshim run --budget`` measures the script's part on the planning
 step and charges it, so every step after planning stays within the budget by the resident
-high-water mark (``VmHWM`` above a baseline with parameters and gradients allocated,
-docs/measuring.md), and the weights stay bitwise equal to the plain run."""
+high-water mark (``VmHWM`` above the step's start, and above the first step's start less the
+file-backed pages paged in since: docs/measuring.md, docs/planner.md "What the budget promises"),
+on the disk tier and the host tier, and the weights stay bitwise equal to the plain run. No
+``MALLOC_*`` or thread variable is set: ``acshim run`` owns its allocator (``acshim.allocator``)."""
 
 from __future__ import annotations
 
@@ -27,13 +29,10 @@ import ctypes, hashlib, json, os, sys, torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-def hwm():
+def status():
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        return {key: int(value.split()[0]) * 1024 for key, value in (line.split(":", 1) for line in f)
+                if key in ("VmHWM", "VmRSS", "RssFile")}
 
 def reset():
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -57,11 +56,14 @@ for index in range(len(model)):
     model[index] = checkpoint_wrapper(model[index])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 reset()
-base = rss()
+first = status()
 peaks = []
 for step in range(4):
+    start = status()
     loss_of(model(batch), step).backward()
-    peaks.append(hwm() - base)
+    end = status()
+    # above the step's start; above the first step's start less the code pages paged in since
+    peaks.append([end["VmHWM"] - start["VmRSS"], end["VmHWM"] - first["VmRSS"] - (end["RssFile"] - first["RssFile"])])
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
     reset()
@@ -77,8 +79,7 @@ def _run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(LOOP))
     env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
-    env.update(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.environ.get("ACSHIM_TEST_PYTHONPATH", str(REPO)))
+    env["PYTHONPATH"] = os.environ.get("ACSHIM_TEST_PYTHONPATH", str(REPO))
     command = [str(path) if word == "SCRIPT" else word for word in argv]
     return subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=env)
@@ -89,26 +90,26 @@ def _result(done: subprocess.CompletedProcess) -> dict:
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
 
 
-@pytest.mark.parametrize("loss", ["square", "cross_entropy"])
-def test_a_loss_outside_the_forward_stays_within_the_budget(tmp_path: Path, loss: str) -> None:
+@pytest.mark.parametrize(("storage", "loss"), [("host", "square"), ("host", "cross_entropy"), ("disk", "square")])
+def test_a_loss_outside_the_forward_stays_within_the_budget(tmp_path: Path, storage: str, loss: str) -> None:
     """At the least budget ``acshim plan --sweep`` prints (planned with the planning loss alone: the
     script's loss never runs under ``acshim plan``), ``acshim run`` either plans, or refuses with
     exit 2 naming a budget, which then plans; every step after the planning step stays within the
     budget it ran at (2% for page rounding), and the weights equal the plain run's bit for bit.
-    ``--storage host``: the disk tier's staging pages are shared memory, which the planner's
-    measure of the process leaves out and ``VmHWM`` counts (a separate matter)."""
-    done = _run(tmp_path, "-m", "acshim", "plan", "--sweep", "--storage", "host", "--budget", "0.7", "--", "SCRIPT",
+    The planning step is not checked: the loss it runs is what is measured (docs/planner.md)."""
+    done = _run(tmp_path, "-m", "acshim", "plan", "--sweep", "--storage", storage, "--budget", "0.7", "--", "SCRIPT",
                 loss)
     assert done.returncode == 0, done.stderr[-4000:]
     least = int(re.search(r"least budget that plans: (\d+) bytes", done.stdout).group(1))
-    planned = _run(tmp_path, "-m", "acshim", "run", "--storage", "host", "--budget", str(least), "SCRIPT", loss)
+    planned = _run(tmp_path, "-m", "acshim", "run", "--storage", storage, "--budget", str(least), "SCRIPT", loss)
     if planned.returncode == 2:
         named = re.search(r"pass --budget (\S+) or more", planned.stderr)
         assert named and "the script's own loss" in planned.stderr, planned.stderr[-3000:]
-        planned = _run(tmp_path, "-m", "acshim", "run", "--storage", "host", "--budget", named.group(1), "SCRIPT",
+        planned = _run(tmp_path, "-m", "acshim", "run", "--storage", storage, "--budget", named.group(1), "SCRIPT",
                        loss)
     result = _result(planned)
     limit = result["budget"] * 1.02
-    assert result["budget"] and all(peak <= limit for peak in result["peaks"][1:]), \
-        (result, [round(peak / result["budget"], 3) for peak in result["peaks"]], planned.stderr[-2000:])
+    assert result["budget"] and all(peak <= limit for step in result["peaks"][1:] for peak in step), \
+        (result, [[round(peak / result["budget"], 3) for peak in step] for step in result["peaks"]],
+         planned.stderr[-2000:])
     assert result["digest"] == _result(_run(tmp_path, "SCRIPT", loss))["digest"]
