@@ -29,6 +29,7 @@ blocks alone, so it is planned on the script's own steps instead (``lockstep``):
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -69,6 +70,7 @@ from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
 from .profiler import GUARD_MARGIN, RegionProfiler, Verification, detached_inputs
 from .report import frontier_table
+from .script_loss import ScriptLossWindow
 from .sites import (
     RegionSite,
     describe,
@@ -80,7 +82,7 @@ from .sites import (
     world_size,
 )
 from .snapshot import ModelSnapshot
-from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak
+from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak, unit_of
 from .steps import StepStart
 from .warmup import warm_up
 
@@ -161,6 +163,11 @@ class PlanSession:
     budget less what the schedule holds, divided by the microbatches it keeps alive at once."""
     schedule_held: ScheduleHeld | None = None
     """What this rank's pipeline schedule holds outside its stage module (``pipelines``)."""
+    _script_window: ScriptLossWindow | None = None
+    """Watches the script's own loss on the planning step (``script_loss``), until the next step."""
+    _script_part: int = 0
+    """Bytes the script's own loss and its backward need beyond the planning loss's, charged to
+    every plan solved after it was measured (``_charge_script_part``)."""
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
@@ -218,6 +225,9 @@ class PlanSession:
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
+        if self._script_window is not None:
+            self._script_window.close()
+            self._script_window = None
         if self.root is not None and self._outside != "keep":
             install_outside(self.root, "keep")  # the model's own forward back
             self._outside = "keep"
@@ -314,13 +324,23 @@ class PlanSession:
         if self._lockstep is not None and torch.is_grad_enabled() and module.training:
             self._lockstep_step(module, args, kwargs)
             return
+        needed = None
+        if self._script_window is not None:  # the planning step is over: its loss was watched
+            needed = self._script_window.close()
+            self._script_window = None
         if self.mode != "planned" or not torch.is_grad_enabled() or not module.training:
             return
         shapes = input_shapes(args, kwargs)
         if _larger(shapes, self._planned_shapes):
             self._replan(module, tuple(args), dict(kwargs), shapes)
+        elif needed is not None:
+            self._charge_script_part(module, tuple(args), dict(kwargs), needed)
         if self._timer is not None:
             self._timer.step_started(module, tuple(args), dict(kwargs))
+        # a plan made or re-solved just now was verified on whole steps of the model, which moved
+        # the count on: this step's regions start at 0 again (past the plan's end a region runs as
+        # a plain recompute, the plan's offloads and keeps left out)
+        self.position = 0
 
     # ---------------------------------------------------------------------------------- planning
     def _plan_now(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -397,6 +417,9 @@ class PlanSession:
         self._announce(self.plan)  # type: ignore[arg-type]
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
+        if (self.loss_fn is None and not self.api and self.pipeline is None and self.world == 1
+                and self._memory is not None and self._memory.available and self._memory.device.type == "cpu"):
+            self._script_window = ScriptLossWindow(root, self._memory)  # the script's loss, as it continues
 
     def _take_baseline(self) -> None:
         """The budget's baseline: the process memory when the first planned step started."""
@@ -583,17 +606,31 @@ class PlanSession:
                 overhead = profiler.used()
                 if self._agreed():  # every rank solves the same numbers
                     overhead = agree_bytes(overhead, device_of(root))
+                # the script's own loss beyond the planning loss's (measured on the planning step): the
+                # verification runs the planning loss, so it is verified within the budget less it
+                reserve = math.ceil(self._script_part / (1 - HEADROOM)) if isinstance(limit, int) else 0
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
                                      GUARD_MARGIN)
                 try:
-                    result = solve_within(profile, limit, measure if self.verify else None, retries=self.retries,
-                                          overhead=overhead)
+                    result = solve_within(profile, limit - reserve if reserve else limit,
+                                          measure if self.verify else None, retries=self.retries, overhead=overhead)
                 except BudgetTooSmall as error:
                     if least:  # the frontier's own start (plan.least_budget), not a guess
-                        error.suggested = max(least, limit + 1)
+                        error.suggested = max(least + reserve, limit + 1)
                         error.why = _why_least(profile, overhead, least)
+                        if reserve:
+                            error.why += (f"; and {format_bytes(self._script_part)} the script's own loss and its "
+                                          f"backward hold beyond the planner's loss (measured on the planning step), "
+                                          f"with the headroom: {format_bytes(least + reserve)}")
+                    elif error.suggested:
+                        error.suggested += reserve
                     raise
-                result.least_budget = least
+                result.least_budget = least + reserve if least else least
+                if reserve:
+                    result.budget = limit
+                    result.overhead += self._script_part
+                    result.notes.append(f"{format_bytes(self._script_part)} charged for the script's own loss and its "
+                                        "backward beyond the planning loss's (measured on the planning step)")
         finally:
             self._profiler = None
             self.mode = "idle" if self.plan is None else "planned"
@@ -775,6 +812,47 @@ class PlanSession:
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
 
+    def _charge_script_part(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], needed: int
+                            ) -> None:
+        """The planning step's own loss and backward held ``needed`` bytes above the forward's end
+        (``script_loss``); beyond what the planning loss needed there (the profile's transient of the
+        part outside the regions), they are charged once: the plan is solved again (its measured
+        profile reused) within the budget less them, and verified, before this step runs."""
+        plan = self.plan
+        assert plan is not None
+        own = plan.profile.other(plan.outside)[1] if plan.outside in plan.profile.outside_choices() else 0
+        extra = needed - own
+        if extra <= max(unit_of(plan.profile), plan.budget // 100):  # within what a measurement resolves
+            return
+        self._script_part = extra
+        self.reuse = plan.profile
+        self.mode, self.plan = "idle", None
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        if self._outside != "keep":
+            install_outside(root, "keep")
+            self._outside = "keep"
+        self._shared = {}
+        try:
+            self._plan_on(root, args, kwargs, input_shapes(args, kwargs))
+        finally:
+            self.reuse = None
+        self.replans += 1
+        self.mode = "planned"
+        found = self.plan
+        assert found is not None
+        self._use_schedules(found)
+        if found.outside != "keep":
+            install_outside(root, found.outside, self.prefetch, self._shared)
+            self._outside = found.outside
+        if rank() == 0:
+            print(f"acshim: --budget {format_bytes(found.budget)}: the script's own loss and its backward held "
+                  f"{format_bytes(needed)} above the model's forward end, {format_bytes(extra)} more than the "
+                  f"planner's loss: charged, solved again: {self.summary(brief=True)}", file=sys.stderr, flush=True)
+        if self.feedback and self.world == 1:
+            self._timer = StepTimer(self)
+
     def resolve(self, profile: Profile, why: str) -> bool:
         """Solve ``profile`` (measured costs) again at the same budget and, if that gives another plan,
         verify it on one step of the model before the next step runs; True if the plan changed."""
@@ -789,11 +867,14 @@ class PlanSession:
                 profiler = RegionProfiler(self, root, self._timer.args, self._timer.kwargs,  # type: ignore[union-attr]
                                           self.loss_fn, memory, self._baseline or _fresh_baseline(memory), plan.budget)
                 self._profiler = profiler
+                reserve = math.ceil(self._script_part / (1 - HEADROOM))  # the script's own loss (_solve)
                 with profiler:
-                    found = solve_within(profile, plan.budget,
+                    found = solve_within(profile, plan.budget - reserve,
                                          lambda candidate: profiler.verify(candidate.choices, candidate.outside,
                                                                             candidate.in_flight),
                                          retries=self.retries, overhead=profiler.used(), skip=(plan.choices, plan.outside))
+                if reserve:
+                    found.budget, found.overhead = plan.budget, found.overhead + self._script_part
         except (BudgetTooSmall, ValueError):
             found = None
         finally:
