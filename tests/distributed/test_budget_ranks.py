@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "ddp_budget.py")
-PLANNABLE = {"DDP_BUDGET_SIZE": "256x2048", "MALLOC_MMAP_THRESHOLD_": "65536"}
+PLANNABLE = {"DDP_BUDGET_SIZE": "256x2048"}
 """Activations the process's memory resolves (about 80 MB without checkpointing), measured as
 docs/measuring.md says."""
 
@@ -60,7 +60,7 @@ def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(l
     command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", engine,
                        "--rows", "2048,2048,2048,2048,2048,2048")
     # two explored steps more than before (the storage choices'): ZeRO-3's 12 steps took over 240 s at load 13
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
+    result = launch(command, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -81,7 +81,7 @@ def test_sharded_step_with_larger_inputs_is_explored_again_within_the_budget(lau
     is measured, and the next step gets a plan for it, within the same bytes."""
     command = torchrun("-m", "acshim", "run", "--budget", "60MiB", SHARDED, "--engine", "fsdp2",
                        "--rows", "1024,1024,1024,1024,1024,2048,2048,2048,2048,2048,2048")
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
+    result = launch(command, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert all(r["equal"] and r["finite"] for r in ranks), ranks
@@ -95,7 +95,7 @@ def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, tor
     """``--plan-file``: the first run saves the plan rank 0 made; the second runs it from its first
     step on every rank (nothing explored), as exact and within the budget."""
     path = str(tmp_path / "plan.json")
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    env: dict[str, str] = {}
     command = torchrun("-m", "acshim", "run", "--budget", "0.6", "--plan-file", path, SHARDED, "--engine", "fsdp2",
                        "--rows", "2048,2048,2048,2048,2048")
     first = launch(command, env=env, timeout=240)
@@ -114,7 +114,7 @@ def test_sharded_budget_below_full_recompute_is_refused_naming_one_that_plans(la
     rank with exit 2 after the explored steps, naming a budget; that budget then plans."""
     command = torchrun("-m", "acshim", "run", "--budget", "20MiB", SHARDED, "--engine", "fsdp2",
                        "--rows", "2048,2048,2048,2048,2048")
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
+    result = launch(command, timeout=240)
     assert result.returncode != 0
     found = re.search(r"the least any plan of keep, recompute, offload:disk, recompute\+offload:disk needs: [\d.]+ MiB "
                       r"above the step.s start .*; pass --budget ([\d.]+MiB) or more", result.stderr)
@@ -122,7 +122,7 @@ def test_sharded_budget_below_full_recompute_is_refused_naming_one_that_plans(la
     assert "RESULT" not in result.stdout
     again = launch(torchrun("-m", "acshim", "run", "--budget", found.group(1), SHARDED, "--engine", "fsdp2",
                             "--rows", "2048,2048,2048,2048,2048"),
-                   env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=240)
+                   timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert all(r["equal"] and r["finite"] and max(r["peaks"]) <= r["budget"] for r in again.results), again.results
 
@@ -130,7 +130,7 @@ def test_sharded_budget_below_full_recompute_is_refused_naming_one_that_plans(la
 def test_acshim_plan_across_sharded_ranks_prints_one_table_or_says_the_script_was_too_short(launch, torchrun) -> None:
     """``acshim plan`` on a sharded model: the plan is made when the fifth step starts, printed once,
     and every rank exits 0 there; a script that ends before that is an error naming the steps needed."""
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    env: dict[str, str] = {}
     result = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SHARDED, "--engine", "fsdp2",
                              "--rows", "2048,2048,2048,2048,2048"), env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "deepspeed_pipeline_budget.py")
-ENV = {"DS_ACCELERATOR": "cpu", "MALLOC_MMAP_THRESHOLD_": "65536"}
+ENV = {"DS_ACCELERATOR": "cpu"}  # no allocator variable: acshim run owns the allocator
 
 RANK_LINE = (r"acshim: --budget ([\d.]+) MiB on rank (\d), pipeline stage (\d) of 2: predicted peak ([\d.]+) MiB "
              r"\(([\d.]+) MiB schedule \+ (\d) x [\d.]+ MiB activations \+ [\d.]+ MiB held besides\), measured "
@@ -62,7 +62,7 @@ def test_each_torch_pipelining_stage_plans_alone_per_microbatch_alive_and_trains
     alive) or ``ScheduleGPipe`` (every microbatch alive); weights and losses bitwise as the same
     run unplanned (every region recomputed, as the script asks)."""
     planned = launch(torchrun("-m", "acshim", "run", "--budget", "0.6", PIPELINING, "--schedule", schedule),
-                     env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=300)
+                     timeout=300)
     assert planned.returncode == 0, planned.stderr[-4000:]
     ranks = planned.results
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -83,7 +83,7 @@ def test_a_pipeline_budget_below_what_a_stage_needs_is_refused_naming_one_that_p
     budget, named = "30MiB", []
     for _ in range(3):
         run = launch(torchrun("-m", "acshim", "run", "--budget", budget, PIPELINING, "--schedule", "1F1B"),
-                     env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=300)
+                     timeout=300)
         if run.returncode == 0:
             break
         assert "RESULT" not in run.stdout

@@ -28,7 +28,7 @@ def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_e
         launch, torchrun, engine: str, blocks: str, budget: str) -> None:
     command = torchrun("-m", "acshim", "run", "--budget", budget, SHARDED, "--engine", engine, "--blocks", blocks,
                        "--rows", ",".join(["2048"] * (EXPLORED + 2)))
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
+    result = launch(command, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -48,7 +48,7 @@ def test_fsdp1_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(lau
     in lock-step like FSDP2: one plan, within the budget from its first step, bitwise exact."""
     command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", "fsdp1",
                        "--rows", ",".join(["2048"] * (EXPLORED + 2)))
-    result = launch(command, env={"MALLOC_MMAP_THRESHOLD_": "65536"}, timeout=400)
+    result = launch(command, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert all(r["equal"] and r["finite"] for r in ranks), ranks

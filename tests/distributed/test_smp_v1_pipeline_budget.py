@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "smp_v1_pipeline_budget.py")
-ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+ENV: dict[str, str] = {}  # no allocator variable: acshim run owns the allocator (acshim.allocator)
 RANK_LINE = (r"acshim: --budget ([\d.]+) MiB on rank (\d), pipeline stage (\d) of 2: predicted peak ([\d.]+) MiB "
              r"\(([\d.]+) MiB schedule \+ 1 x [\d.]+ MiB activations \+ [\d.]+ MiB held besides\), measured "
              r"([\d.]+) MiB \(VmHWM above the first step's start\)")

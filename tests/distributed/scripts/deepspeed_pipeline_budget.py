@@ -7,7 +7,6 @@ its stage, whether losses and its stage's weights are bitwise equal between the 
 on), each run's peak as the kernel saw it (``VmHWM`` above the process's memory when its first
 ``train_batch`` started, heap trimmed and high-water mark reset there: shared/MEASURING.md), and
 the plan: its choices, the rank's budget in bytes and the microbatches alive at once on the stage.
-Run with ``MALLOC_MMAP_THRESHOLD_=65536``.
 """
 
 from __future__ import annotations
@@ -86,7 +85,6 @@ def train(interval: int) -> dict:
 
 
 def main() -> None:
-    assert os.environ.get("MALLOC_MMAP_THRESHOLD_"), "run with MALLOC_MMAP_THRESHOLD_=65536 (shared/MEASURING.md)"
     deepspeed.init_distributed(dist_backend="gloo")
     sessions = list(acshim.region.ROUTERS)
     for session in sessions:  # the run without checkpointing goes unplanned

@@ -4,8 +4,7 @@ forward checkpoints each layer (``torch.utils.checkpoint``), trained 3 steps of 
 twice: first unplanned (acshim's plan set aside), then under the plan (the batches of all steps made
 before the first step starts, as a data set in memory). Every rank prints
 ``RESULT {json}`` as deepspeed_pipeline_budget.py does (stage, bitwise equality of losses and
-weights, ``VmHWM`` above each run's first step's start, the plan). Run with
-``MALLOC_MMAP_THRESHOLD_=65536``.
+weights, ``VmHWM`` above each run's first step's start, the plan).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import argparse
 import ctypes
 import hashlib
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -85,7 +83,6 @@ def train(rank: int, schedule_name: str) -> dict:
 
 
 def main() -> None:
-    assert os.environ.get("MALLOC_MMAP_THRESHOLD_"), "run with MALLOC_MMAP_THRESHOLD_=65536 (shared/MEASURING.md)"
     parser = argparse.ArgumentParser()
     parser.add_argument("--schedule", default="1F1B", choices=("1F1B", "GPipe"))
     args = parser.parse_args()

@@ -5,7 +5,7 @@ twice: first unplanned (acshim's plan set aside: every block recomputed, as the 
 under the plan (the data made before the first step). Every rank prints ``RESULT {json}`` as
 pipelining_budget.py does: its stage, whether its own parameters and the losses are bitwise those
 of the unplanned run (dropout on), ``VmHWM`` above each run's first step's start, the plan, and
-the most microbatches the stage runner held at once. Run with ``MALLOC_MMAP_THRESHOLD_=65536``.
+the most microbatches the stage runner held at once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import hashlib
 import json
-import os
 
 import smdistributed.modelparallel.torch as smp
 import torch
@@ -92,7 +91,6 @@ def train(pipeline: str) -> dict:
 
 
 def main() -> None:
-    assert os.environ.get("MALLOC_MMAP_THRESHOLD_"), "run with MALLOC_MMAP_THRESHOLD_=65536 (shared/MEASURING.md)"
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipeline", default="interleaved", choices=("simple", "interleaved"))
     parser.add_argument("--planned-only", action="store_true", help="skip the unplanned run (a budget refused)")
