@@ -574,12 +574,15 @@ class PlanSession:
 
     def _profile(self, root: nn.Module, profiler: RegionProfiler, fraction: float | None,
                  limit: int | None) -> Profile:
-        # 0. a fractional budget: a lower bound of its bytes before anything real runs
+        # 0. a fractional budget: a lower bound of its bytes before anything real runs. The fraction is
+        # of no checkpointing's peak as the process sees it (``_fraction_in_bytes``): its activations
+        # and what the process holds besides, of which it holds ``besides`` now
         least = 0
+        besides = profiler.used()
         if limit is None and fraction is not None:
             fake = step_peak(self, root, profiler.args, profiler.kwargs, profiler.loss_fn)
             if fake is not None:  # below no checkpointing's peak however counted (FAKE_PEAK_SHARE)
-                least = int(fraction * max(fake.forward, FAKE_PEAK_SHARE * fake.peak))
+                least = int(fraction * (max(fake.forward, FAKE_PEAK_SHARE * fake.peak) + besides))
                 self._fake_peak = fake.peak
         # 1. count what the model saves, capture the distinct regions' inputs
         try:
@@ -614,7 +617,7 @@ class PlanSession:
             # closer to no checkpointing's peak: every region's saved bytes held while the head's
             # backward runs (what keeping every block would hold then)
             regions = sum(site.saved for site in self.sites)
-            profiler.set_limit(max(least, int(fraction * (kept["held"] + regions + kept["transient"]))))
+            profiler.set_limit(max(least, int(fraction * (kept["held"] + regions + kept["transient"] + besides))))
         # 3. each distinct region alone, per choice
         blocks = profiler.regions(choices, names, defer=self._defer())
         root.zero_grad(set_to_none=True)
@@ -778,7 +781,8 @@ class PlanSession:
         assert plan is not None
         chosen = plan.describe()
         measured = plan.measured_process_peak if plan.measured_process_peak is not None else plan.measured_peak
-        ratio = f" ({measured / plan.reference_peak:.2f}x no checkpointing)" \
+        # of no checkpointing's peak as the process would see it: its activations and what it holds besides
+        ratio = f" ({measured / (plan.reference_peak + plan.overhead):.2f}x no checkpointing)" \
             if plan.reference_peak and measured is not None else ""
         seen = "process" if plan.measured_process_peak is not None else "tracker"
         # The whole step's prediction, comparable with the process's measured peak: the activations'
@@ -900,7 +904,7 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
     if isinstance(budget, BetweenBudget):
         full = rounded_peak(profile, profile.uniform("recompute")) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
-    return parse_budget(budget, none)
+    return parse_budget(budget, int(none) + overhead)
 
 
 def _status_bytes(field: str) -> int:
