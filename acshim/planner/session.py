@@ -757,7 +757,8 @@ class PlanSession:
             self._shared = sessions
         changed = found is not None and (found.choices, found.outside) != (plan.choices, plan.outside)
         if rank() == 0 and not self.api:
-            outcome = (f"now {found.describe()}" if changed and found is not None else "kept the plan")
+            outcome = (f"now {found.describe()}" if changed and found is not None else "kept the plan" if found
+                       is not None else "no plan was measured within the budget: kept the plan, which may go over it")
             print(f"acshim: --budget {format_bytes(plan.budget)}: {why}; solved again with the measured costs: "
                   f"{outcome}", file=sys.stderr, flush=True)
         if changed and found is not None:
