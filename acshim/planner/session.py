@@ -516,14 +516,18 @@ class PlanSession:
                 guard = 1.0 if isinstance(self.budget, BetweenBudget) else fraction
                 profile = self.reuse if self.reuse is not None else self._profile(root, profiler, guard, limit)
                 fractional = limit is None and fraction is not None
+                fraction_of = 0
                 if fractional:
-                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()), fraction)
+                    besides = profiler.used()
+                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, besides), fraction)
+                    fraction_of = _fraction_reference(profile, besides)
                 profiler.set_limit(limit)
                 if profiler.pending():
                     _measure_within_reach(profile, profiler, limit)
                     if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
-                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()),
-                                                  fraction)
+                        besides = profiler.used()
+                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, besides), fraction)
+                        fraction_of = _fraction_reference(profile, besides)
                         profiler.set_limit(limit)
                 profiler.drop_copies()
 
@@ -545,6 +549,7 @@ class PlanSession:
                         error.why = _why_least(profile, overhead, least)
                     raise
                 result.least_budget = least
+                result.fraction_of = fraction_of
         finally:
             self._profiler = None
             self.mode = "idle" if self.plan is None else "planned"
@@ -905,7 +910,13 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
     if isinstance(budget, BetweenBudget):
         full = rounded_peak(profile, profile.uniform("recompute")) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
-    return parse_budget(budget, int(none) + overhead)
+    return parse_budget(budget, _fraction_reference(profile, overhead))
+
+
+def _fraction_reference(profile: Profile, overhead: int) -> int:
+    """What a fraction is a share of: no checkpointing's peak as the process would see it, its
+    predicted activations and ``overhead``, what the process holds besides them (``Plan.fraction_of``)."""
+    return int(reference(profile)[0] or profile.recompute_step.get("peak", 0)) + overhead
 
 
 def _status_bytes(field: str) -> int:
