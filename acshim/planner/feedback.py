@@ -11,15 +11,6 @@ now. Offloading regions slower than that by more than ``TOLERANCE`` (or prefetch
 make their choice's predicted seconds the measured ones, scaled for every block, and the session
 solves again at the next step's start (``PlanSession.resolve``: the new plan is verified within the
 budget before it runs). At most ``MAX_RESOLVES`` times, each said on stderr.
-
-Memory too: the plan was solved within the budget less what the process held besides while the
-first step was planned, but that step leaves more behind than it held then: the optimizer's state
-(made by its first ``step()``), the pages of weights mapped from their file that its backward read
-in, the heap the allocator keeps. When the next step starts holding more than ``GROWN`` beyond what
-the plan was solved with, the plan is solved again with what is held now (``PlanSession.resolve``,
-verified before the step runs). Measured (issue 26): a 12-line HF loop with AdamW at ``--budget
-0.5`` started its second step holding 30 MiB where the plan had room for 19 MiB, and its later steps
-peaked at 67.7 MiB by ``VmHWM`` at a budget of 58.9 MiB.
 """
 
 from __future__ import annotations
@@ -33,18 +24,13 @@ from typing import Any
 import torch
 
 from .. import structures
-from .budget import format_bytes
 from .choices import moves_data
-from .process import trim
 from .profile import Profile
 
 STEPS = 2
 """Steps timed after a plan (the step it was made in is not: it began before the plan)."""
 TOLERANCE = 0.10
 MAX_RESOLVES = 2
-GROWN = (2 << 20, 0.02)
-"""Growth of what the process holds at the step after the plan's start that solves it again: more
-than both 2 MiB and 2% of the budget (what two measurements of one step differ by here)."""
 
 
 class StepTimer:
@@ -61,7 +47,6 @@ class StepTimer:
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.done = False
-        self.checked_memory = False
 
     def stop(self) -> None:
         self.done = True
@@ -73,15 +58,6 @@ class StepTimer:
         """At the model's forward pre-hook: close the previous step, decide, re-solve if due."""
         if self.done:
             return
-        if not self.checked_memory:  # the first step after the plan's: what the planning step left
-            self.checked_memory = True
-            why = self.held_more()
-            if why is not None:
-                self.args, self.kwargs = args, dict(kwargs or {})
-                try:
-                    self.session.resolve(self.session.plan.profile, why)
-                finally:
-                    self.args, self.kwargs = (), {}
         if self.current is not None:
             self.steps.append(self.current)
             self.waits.append(self._wait_seconds() - self._waited)
@@ -106,23 +82,6 @@ class StepTimer:
                 return
         self._waited = self._wait_seconds()
         self.current = {}
-
-    def held_more(self) -> str | None:
-        """Why the plan must be solved again, when the process holds more above the first step's
-        start now than the plan was solved with by more than ``GROWN``; else None."""
-        session = self.session
-        plan, memory, baseline = session.plan, session._memory, session._baseline
-        if plan is None or memory is None or not memory.available or baseline is None or session.world != 1 \
-                or session.pipeline is not None:
-            return None
-        trim()  # what the heap has freed is not held
-        held = memory.current() - baseline
-        grown = held - plan.overhead
-        if grown <= max(GROWN[0], GROWN[1] * plan.budget):
-            return None
-        return (f"this step started with the process holding {format_bytes(held)} above the first step's start, "
-                f"{format_bytes(grown)} more than the plan was solved with (what the planning step left: the "
-                f"optimizer's state, weights read in from their file, heap)")
 
     def region(self, index: int, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run region ``index`` (``run``), timing its forward and, through hooks, its backward."""

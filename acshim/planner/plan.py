@@ -68,9 +68,6 @@ class Plan:
     reserved on a GPU): what the budget is about. None where it could not be read."""
     reference_peak: int = 0
     reference_seconds: float = 0.0
-    fraction_of: int = 0
-    """The bytes a fractional budget was a share of: no checkpointing's predicted peak and what the
-    process held besides (0 for a budget in bytes). A plan file is reused for the same fraction of it."""
     notes: list[str] = field(default_factory=list)
     overhead: int = 0
     """What the process held above the step's start besides the plan's activations when it was solved
@@ -372,7 +369,7 @@ def load_plan_file(path: str, root: nn.Module, budget: int | float | str, shapes
     """The plan ``path`` holds, if it was made for ``root``'s parameters, this batch's input shapes
     (or larger ones) and this budget; ``PlanFileMismatch`` saying which differs otherwise."""
     loaded = Plan.load(path)
-    wanted = parse_budget(budget, loaded.fraction_of or loaded.reference_peak or 1)
+    wanted = parse_budget(budget, loaded.reference_peak or 1)
     if wanted != loaded.budget:
         raise PlanFileMismatch(f"it was made for a budget of {format_bytes(loaded.budget)} ({loaded.budget} bytes), "
                                f"this run asks for {format_bytes(wanted)}; delete the file to plan again")

@@ -1,18 +1,16 @@
 """The memory a budget is about: what the process holds, as the operating system or the device sees it.
 
 A tracker of tensor storages (``tracker.LiveBytes``) predicts activation memory; what a user has is
-the process's memory: on CPU its resident memory (``/proc/self/statm``'s resident pages, what
-``VmHWM`` is the high-water mark of), on a CUDA device the bytes its caching allocator has reserved
+the process's memory: on CPU its anonymous resident memory (``/proc/self/statm``: resident less
+file-backed pages), on a CUDA device the bytes its caching allocator has reserved
 (``torch.cuda.memory_reserved``; fragmentation counts, as it does for an out-of-memory error).
 Storage tier buffers, copies in flight, worker threads' stacks and heaps, Python objects and
-allocator slack are all in it, and none of them is a tensor storage. So are file-backed pages read
-in after the step started: weights a loader mapped from their file (``safetensors`` maps a frozen
-base model) and library code paged in on the first use of an operator. They were once left out (the
-system can drop them), but the user measures the run by ``VmHWM`` from its first step (issue 26):
-a LoRA step on a tiny Llama with a 32k vocabulary pages 41 MiB of them in during its first step,
-which took the planning step to 105 MiB by ``VmHWM`` at a budget of 67.6 MiB while the guard saw
-66 MiB. Counted, they are part of what the process holds besides the activations, and a fractional
-budget is a share of no checkpointing's peak with them (``PlanSession``).
+allocator slack are all in it, and none of them is a tensor storage. File-backed pages are left
+out: library code paged in on the first use of an operator, and weights a loader mapped from their
+file (``safetensors`` maps a frozen base model; a fine-tuning step pages 16 MiB of a tiny Llama in
+during its first forward). The system drops them under pressure and reads them back, they are the
+same with or without a plan, and a step measured the usual way (``VmHWM`` after a warm-up step,
+docs/measuring.md) has them in its baseline already.
 
 ``ProcessMemory`` reads that number cheaply (one ``pread`` of ``statm``); ``Guard`` samples it after
 every operator of the thread it is entered on and raises ``OverBudget`` as soon as the process is
@@ -64,8 +62,8 @@ class OverBudget(RuntimeError):
 
 
 class ProcessMemory:
-    """Bytes the process holds on ``device``: resident memory on CPU (Linux ``/proc/self/statm``'s
-    resident pages, file-backed ones included, as ``VmHWM`` counts them), reserved by the caching
+    """Bytes the process holds on ``device``: anonymous resident memory on CPU (Linux
+    ``/proc/self/statm``: resident less shared, i.e. file-backed, pages), reserved by the caching
     allocator on CUDA. ``available`` is False where neither can be read
     (then ``current()`` is 0 and guards never trip: the tracker's prediction is all there is)."""
 
@@ -93,7 +91,7 @@ class ProcessMemory:
             return 0
         with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
             fields = os.pread(self._fd, 128, 0).split()
-        return int(fields[1]) * _PAGE  # resident, file-backed pages included: what VmHWM is the high-water mark of
+        return (int(fields[1]) - int(fields[2])) * _PAGE  # resident less file-backed (see the module docstring)
 
     def close(self) -> None:
         if self._fd is not None:

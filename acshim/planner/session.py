@@ -588,18 +588,14 @@ class PlanSession:
                 guard = 1.0 if isinstance(self.budget, BetweenBudget) else fraction
                 profile = self.reuse if self.reuse is not None else self._profile(root, profiler, guard, limit)
                 fractional = limit is None and fraction is not None
-                fraction_of = 0
                 if fractional:
-                    besides = profiler.used()
-                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, besides), fraction)
-                    fraction_of = _fraction_reference(profile, besides)
+                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()), fraction)
                 profiler.set_limit(limit)
                 if profiler.pending():
                     _measure_within_reach(profile, profiler, limit)
                     if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
-                        besides = profiler.used()
-                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, besides), fraction)
-                        fraction_of = _fraction_reference(profile, besides)
+                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()),
+                                                  fraction)
                         profiler.set_limit(limit)
                 profiler.drop_copies()
 
@@ -630,7 +626,6 @@ class PlanSession:
                         error.suggested += reserve
                     raise
                 result.least_budget = least + reserve if least else least
-                result.fraction_of = fraction_of
                 if reserve:
                     result.budget = limit
                     result.overhead += self._script_part
@@ -665,15 +660,12 @@ class PlanSession:
 
     def _profile(self, root: nn.Module, profiler: RegionProfiler, fraction: float | None,
                  limit: int | None) -> Profile:
-        # 0. a fractional budget: a lower bound of its bytes before anything real runs. The fraction is
-        # of no checkpointing's peak as the process sees it (``_fraction_in_bytes``): its activations
-        # and what the process holds besides, of which it holds ``besides`` now
+        # 0. a fractional budget: a lower bound of its bytes before anything real runs
         least = 0
-        besides = profiler.used()
         if limit is None and fraction is not None:
             fake = step_peak(self, root, profiler.args, profiler.kwargs, profiler.loss_fn)
             if fake is not None:  # below no checkpointing's peak however counted (FAKE_PEAK_SHARE)
-                least = int(fraction * (max(fake.forward, FAKE_PEAK_SHARE * fake.peak) + besides))
+                least = int(fraction * max(fake.forward, FAKE_PEAK_SHARE * fake.peak))
                 self._fake_peak = fake.peak
         # 1. count what the model saves, capture the distinct regions' inputs
         try:
@@ -708,7 +700,7 @@ class PlanSession:
             # closer to no checkpointing's peak: every region's saved bytes held while the head's
             # backward runs (what keeping every block would hold then)
             regions = sum(site.saved for site in self.sites)
-            profiler.set_limit(max(least, int(fraction * (kept["held"] + regions + kept["transient"] + besides))))
+            profiler.set_limit(max(least, int(fraction * (kept["held"] + regions + kept["transient"]))))
         # 3. each distinct region alone, per choice
         blocks = profiler.regions(choices, names, defer=self._defer())
         root.zero_grad(set_to_none=True)
@@ -892,8 +884,7 @@ class PlanSession:
             self._shared = sessions
         changed = found is not None and (found.choices, found.outside) != (plan.choices, plan.outside)
         if rank() == 0 and not self.api:
-            outcome = (f"now {found.describe()}" if changed and found is not None else "kept the plan" if found
-                       is not None else "no plan was measured within the budget: kept the plan, which may go over it")
+            outcome = (f"now {found.describe()}" if changed and found is not None else "kept the plan")
             print(f"acshim: --budget {format_bytes(plan.budget)}: {why}; solved again with the measured costs: "
                   f"{outcome}", file=sys.stderr, flush=True)
         if changed and found is not None:
@@ -917,8 +908,7 @@ class PlanSession:
         assert plan is not None
         chosen = plan.describe()
         measured = plan.measured_process_peak if plan.measured_process_peak is not None else plan.measured_peak
-        # of no checkpointing's peak as the process would see it: its activations and what it holds besides
-        ratio = f" ({measured / (plan.reference_peak + plan.overhead):.2f}x no checkpointing)" \
+        ratio = f" ({measured / plan.reference_peak:.2f}x no checkpointing)" \
             if plan.reference_peak and measured is not None else ""
         seen = "process" if plan.measured_process_peak is not None else "tracker"
         # The whole step's prediction, comparable with the process's measured peak: the activations'
@@ -1040,13 +1030,7 @@ def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
     if isinstance(budget, BetweenBudget):
         full = rounded_peak(profile, profile.uniform("recompute")) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
-    return parse_budget(budget, _fraction_reference(profile, overhead))
-
-
-def _fraction_reference(profile: Profile, overhead: int) -> int:
-    """What a fraction is a share of: no checkpointing's peak as the process would see it, its
-    predicted activations and ``overhead``, what the process holds besides them (``Plan.fraction_of``)."""
-    return int(reference(profile)[0] or profile.recompute_step.get("peak", 0)) + overhead
+    return parse_budget(budget, none)
 
 
 def _status_bytes(field: str) -> int:

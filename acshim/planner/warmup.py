@@ -7,14 +7,6 @@ state, the size of a library and paid once per process, not activation memory, a
 otherwise land inside the first planned step and count against its budget. ``warm_up`` runs each
 piece once on a tiny layer when the session starts (before the script runs, so before any baseline
 the script or the planner takes).
-
-The same holds for the code of the operators a training step runs (their kernels in ``libtorch``,
-forward and backward, and the optimizers' multi-tensor updates): the budget is checked by resident
-memory, file-backed pages included (``process``), and the first use of each operator pages its code
-in. Without this, README's train.py at ``--budget 0.5`` paged 5 MiB of code in while its first block
-was measured alone, which stopped that measurement at the budget's lower bound; a plain run pays
-those pages in its first step too. ``_page_in_kernels`` runs a small step of the usual layers once,
-its random numbers drawn from a forked generator (the script's own stay as they were).
 """
 
 from __future__ import annotations
@@ -59,32 +51,7 @@ def _warmed(choices: tuple[str, ...]) -> bool:
         out.sum().backward()
     import numpy  # noqa: F401  (the solver)
 
-    _page_in_kernels()
     return True
-
-
-def _page_in_kernels() -> None:
-    """One small training step of the layers language models and MLPs are made of, on CPU, and one
-    step of SGD and AdamW: their kernels' code resident before any baseline (module docstring)."""
-    import torch.nn.functional as F
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        linear, norm, embedding = nn.Linear(64, 64), nn.LayerNorm(64), nn.Embedding(128, 64)
-        tokens = torch.randint(0, 128, (4, 16))
-        x = embedding(tokens)
-        x = norm(F.dropout(F.gelu(linear(x)), 0.1, training=True)) + F.silu(linear(x))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        q = x.view(4, 16, 4, 16).transpose(1, 2)
-        x = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(4, 16, 64)
-        logits = F.linear(x, embedding.weight).float()
-        loss = F.cross_entropy(logits.view(-1, 128), tokens.view(-1)) + logits.log_softmax(-1).mean() \
-            + x.square().mean() + F.mse_loss(x, x.detach() * 0.5)
-        loss.backward()
-        parameters = [*linear.parameters(), *norm.parameters(), *embedding.parameters()]
-        for optimizer in (torch.optim.SGD(parameters, lr=0.1, momentum=0.9), torch.optim.AdamW(parameters)):
-            optimizer.step()
-            optimizer.zero_grad()
 
 
 def warm_up(choices: tuple[str, ...] | list[str], storage: str | None = None) -> None:
