@@ -255,10 +255,7 @@ def _smp_stage(frame: types.FrameType, calls: list[types.FrameType]) -> Pipeline
     runner = getattr(model, "runner", None)
     if runner is None:  # one process, or before the model is partitioned (its trace runs no region)
         return None
-    from acshim.facades.smdistributed.modelparallel.torch._pipeline_runner import ALIVE_AT_ONCE, ServedCalls
-    from acshim.facades.smdistributed.modelparallel.torch.state_mod import state
-
-    cfg = state.config()
+    described = runner.budget_stage()  # the facade describes its own stage: no import of it here
     if runner.stage == 0:
         root = model.module
         call = _module_call(root, calls)
@@ -268,8 +265,8 @@ def _smp_stage(frame: types.FrameType, calls: list[types.FrameType]) -> Pipeline
                                     "checkpoint inside the model, or drop --budget")
         module, args, kwargs = root, *call
     else:
-        module, args, kwargs = ServedCalls(runner), (), {}
-    return PipelineStage("SageMaker model parallelism v1", str(cfg.values["pipeline"]), module, args, kwargs,
-                         stage=runner.stage, stages=len(runner.ranks), microbatches=int(cfg.microbatches),
-                         in_flight=ALIVE_AT_ONCE, owner=runner, microbatch_key=runner.microbatch_key,
+        module, args, kwargs = described["served"], (), {}
+    return PipelineStage("SageMaker model parallelism v1", described["schedule"], module, args, kwargs,
+                         stage=runner.stage, stages=len(runner.ranks), microbatches=described["microbatches"],
+                         in_flight=described["in_flight"], owner=runner, microbatch_key=runner.microbatch_key,
                          after_first_microbatch=True)

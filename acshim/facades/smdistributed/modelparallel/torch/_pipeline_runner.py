@@ -339,6 +339,14 @@ class StageRunner:
             return run_region(run_group, inputs, {}, region_options(preserve_rng_state))
         return run_group(*inputs)
 
+    def budget_stage(self) -> dict[str, Any]:
+        """What ``acshim run --budget`` plans this stage by (``acshim.planner.pipelines``, which imports
+        nothing of this facade): the schedule's name, microbatches, how many are alive at once, and,
+        on a serving stage, the module that runs its calls of one microbatch again."""
+        cfg = state.config()
+        return {"schedule": str(cfg.values["pipeline"]), "microbatches": int(cfg.microbatches),
+                "in_flight": ALIVE_AT_ONCE, "served": ServedCalls(self) if self.stage else None}
+
     def microbatch_key(self) -> tuple[int, int]:
         """(steps ended, microbatch) of the work this stage is doing now."""
         return (self.steps, state.microbatch if self.stage == 0 else self.served_microbatch)
