@@ -785,8 +785,23 @@ class PlanSession:
     def _replan(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]]) -> None:
         """Plan again, before this step's forward, on its larger inputs (within the same bytes)."""
         previous = self.plan
-        self.mode, self.plan = "idle", None
+        self._drop_plan(root)
         self.sites = []
+        self.reuse = None
+        self._plan_on(root, args, kwargs, shapes)
+        plan = self._run_new_plan(root)
+        if rank() == 0 and not self.api:
+            before = previous.profile.inputs if previous is not None else []
+            print(f"acshim: --budget {format_bytes(plan.budget)}: this step's inputs {shapes} are larger than those "
+                  f"planned for {before}: planned again before it ran: {self.summary(brief=True)}",
+                  file=sys.stderr, flush=True)
+        if self.feedback and self.world == 1:
+            self._timer = StepTimer(self)
+
+    def _drop_plan(self, root: nn.Module) -> None:
+        """Before a plan is made again at a step's start: the current one stops (its timer, its part
+        outside the regions back to kept, its shared offload schedules)."""
+        self.mode, self.plan = "idle", None
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -794,8 +809,10 @@ class PlanSession:
             install_outside(root, "keep")
             self._outside = "keep"
         self._shared = {}
-        self.reuse = None
-        self._plan_on(root, args, kwargs, shapes)
+
+    def _run_new_plan(self, root: nn.Module) -> Plan:
+        """After a plan made again at a step's start: count it, run it from this step on (its
+        schedules, its part outside the regions) and return it."""
         self.replans += 1
         self.mode = "planned"
         plan = self.plan
@@ -804,13 +821,7 @@ class PlanSession:
         if plan.outside != "keep":
             install_outside(root, plan.outside, self.prefetch, self._shared)
             self._outside = plan.outside
-        if rank() == 0 and not self.api:
-            before = previous.profile.inputs if previous is not None else []
-            print(f"acshim: --budget {format_bytes(plan.budget)}: this step's inputs {shapes} are larger than those "
-                  f"planned for {before}: planned again before it ran: {self.summary(brief=True)}",
-                  file=sys.stderr, flush=True)
-        if self.feedback and self.world == 1:
-            self._timer = StepTimer(self)
+        return plan
 
     def _charge_script_part(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], needed: int
                             ) -> None:
@@ -826,26 +837,12 @@ class PlanSession:
             return
         self._script_part = extra
         self.reuse = plan.profile
-        self.mode, self.plan = "idle", None
-        if self._timer is not None:
-            self._timer.stop()
-            self._timer = None
-        if self._outside != "keep":
-            install_outside(root, "keep")
-            self._outside = "keep"
-        self._shared = {}
+        self._drop_plan(root)
         try:
             self._plan_on(root, args, kwargs, input_shapes(args, kwargs))
         finally:
             self.reuse = None
-        self.replans += 1
-        self.mode = "planned"
-        found = self.plan
-        assert found is not None
-        self._use_schedules(found)
-        if found.outside != "keep":
-            install_outside(root, found.outside, self.prefetch, self._shared)
-            self._outside = found.outside
+        found = self._run_new_plan(root)
         if rank() == 0:
             print(f"acshim: --budget {format_bytes(found.budget)}: the script's own loss and its backward held "
                   f"{format_bytes(needed)} above the model's forward end, {format_bytes(extra)} more than the "

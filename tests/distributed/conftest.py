@@ -28,9 +28,23 @@ class Launch:
 
     @property
     def results(self) -> list[dict]:
-        """One dict per rank, ordered by rank (ranks share stdout: a line may hold several)."""
+        """One dict per rank, ordered by rank. Ranks share stdout and ``print("RESULT", json)`` writes
+        its parts separately, so two ranks' lines can interleave ("RESULTRESULT {...} {...}", seen
+        in CI): every JSON object with a ``rank`` after the first ``RESULT`` is one."""
         decoder = json.JSONDecoder()
-        found = [decoder.raw_decode(chunk)[0] for chunk in self.stdout.split("RESULT ")[1:]]
+        text, found = self.stdout, []
+        position = text.find("RESULT")
+        while position >= 0:
+            start = text.find("{", position)
+            if start < 0:
+                break
+            try:
+                value, position = decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                position = start + 1
+                continue
+            if isinstance(value, dict) and "rank" in value:
+                found.append(value)
         return sorted(found, key=lambda result: result["rank"])
 
     def region_counts(self) -> list[str]:
