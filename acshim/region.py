@@ -108,26 +108,22 @@ _CHECKPOINT_GENERATOR_CODE = getattr(getattr(torch_checkpoint, "_checkpoint_with
                                      "__code__", None)
 
 
-@contextlib.contextmanager
-def _closing_abandoned_checkpoints() -> Any:
+def _close_abandoned_checkpoints(error: BaseException) -> None:
     """Torch before 2.13 (2.11, seen on a GPU machine) leaves a non-reentrant checkpoint whose function
     raised with its forward context (a selective-checkpoint dispatch mode) and its saved-tensor hooks
     entered: their generator is suspended in a frame the traceback keeps alive, so the next plain
     forward ran under them. Close it as the exception leaves, as torch 2.13 does with ``gen.throw``
     (a generator that torch already finished is left alone). The planner's stopped measurements
-    (``OverBudget`` raised inside forward) and any user error go through here."""
-    try:
-        yield
-    except BaseException as error:
-        if _CHECKPOINT_GENERATOR_CODE is not None:
-            traceback = error.__traceback__
-            while traceback is not None:
-                for value in list(traceback.tb_frame.f_locals.values()):
-                    if (isinstance(value, types.GeneratorType) and value.gi_code is _CHECKPOINT_GENERATOR_CODE
-                            and value.gi_frame is not None and not value.gi_running):
-                        value.close()
-                traceback = traceback.tb_next
-        raise
+    (``OverBudget`` raised inside forward) and any user error go through here; the error path only."""
+    if _CHECKPOINT_GENERATOR_CODE is None:
+        return
+    traceback = error.__traceback__
+    while traceback is not None:
+        for value in list(traceback.tb_frame.f_locals.values()):
+            if (isinstance(value, types.GeneratorType) and value.gi_code is _CHECKPOINT_GENERATOR_CODE
+                    and value.gi_frame is not None and not value.gi_running):
+                value.close()
+        traceback = traceback.tb_next
 
 
 def _run_non_reentrant(
@@ -139,18 +135,22 @@ def _run_non_reentrant(
         extra["early_stop"] = options.early_stop
     elif not options.early_stop:
         early_stop_context = torch_checkpoint.set_checkpoint_early_stop(False)
-    with early_stop_context, _closing_abandoned_checkpoints():
-        return TORCH_CHECKPOINT(
-            RegionCall(function, options),
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=options.preserve_rng_state,
-            context_fn=selective.honour_offload(options.context_fn) or torch_checkpoint.noop_context_fn,
-            determinism_check=options.determinism_check,
-            debug=options.debug,
-            **extra,
-            **kwargs,
-        )
+    try:
+        with early_stop_context:
+            return TORCH_CHECKPOINT(
+                RegionCall(function, options),
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=options.preserve_rng_state,
+                context_fn=selective.honour_offload(options.context_fn) or torch_checkpoint.noop_context_fn,
+                determinism_check=options.determinism_check,
+                debug=options.debug,
+                **extra,
+                **kwargs,
+            )
+    except BaseException as error:
+        _close_abandoned_checkpoints(error)
+        raise
 
 
 # --------------------------------------------------------------------------------------------------
