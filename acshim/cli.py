@@ -23,9 +23,12 @@ import shutil
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cli_flags import HELP, RunFlags, help_text, parse_run_flags, usage
+
+if TYPE_CHECKING:
+    from .planner.session import PlanSession
 
 RUN_USAGE = usage("run")
 PLAN_USAGE = usage("plan")
@@ -154,7 +157,7 @@ def _flag_problem(flags: RunFlags) -> str | None:
     return None
 
 
-def _plan_session(flags: RunFlags) -> Any:
+def _plan_session(flags: RunFlags) -> PlanSession | None:
     """The ``--budget`` planner session (not started yet), or None without ``--budget``."""
     if flags.budget is None:
         return None
@@ -212,7 +215,7 @@ def _run_in_process(flags: RunFlags) -> int:
     return _end_of_plan(flags, session)
 
 
-def _run_target(flags: RunFlags, session: Any) -> int | None:
+def _run_target(flags: RunFlags, session: PlanSession | None) -> int | None:
     """Run the script or module, torch's checkpoint rerouted while a plan or report watches; the exit
     code of a run that ends here (a failure, the plan's own exit), or None when the script ended well."""
     from .patching.runner import record_rank_error, run_module, run_script, script_traceback
@@ -255,7 +258,7 @@ def _run_target(flags: RunFlags, session: Any) -> int | None:
     return None
 
 
-def _end_of_plan(flags: RunFlags, session: Any) -> int:
+def _end_of_plan(flags: RunFlags, session: PlanSession | None) -> int:
     """After a script that ended well: an error when ``--budget`` had nothing to plan, or a sharded
     model's plan was never made; else 0."""
     verb, budget = flags.verb, str(flags.budget)

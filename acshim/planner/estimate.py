@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .planning_loss import planning_loss
+from .routing import Mode, PlanningContext
 from .tracker import LiveBytes, storage_key
 
 
@@ -33,14 +34,13 @@ class FakeStep:
     peak: int
 
 
-def step_peak(session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+def step_peak(session: PlanningContext, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
               loss_fn: Callable[[Any], torch.Tensor] | None) -> FakeStep | None:
     """One step without checkpointing on fake tensors (see the module docstring), or None."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.utils._pytree import tree_flatten, tree_map
 
-    previous = session.mode
     try:
         with FakeTensorMode() as mode:
             def fake(value: Any) -> Any:
@@ -54,8 +54,7 @@ def step_peak(session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict
             leaves = [*state.values(), *tree_flatten((fake_args, fake_kwargs))[0]]
             excluded = {key[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and (key := storage_key(leaf))}
             tracker = LiveBytes(excluded)
-            session.mode = "plain"
-            with tracker:
+            with session.routing(Mode.PLAIN), tracker:
                 session.position = 0
                 output = functional_call(root, state, fake_args, fake_kwargs)
                 loss = loss_fn(output) if loss_fn is not None else planning_loss(output, fake_args, fake_kwargs)
@@ -70,7 +69,5 @@ def step_peak(session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict
             tracker.release()
     except Exception:  # a forward that depends on values, or an operator without a fake kernel
         return None
-    finally:
-        session.mode = previous
     forward = max(series[:tracker.marks["forward"]], default=0)
     return FakeStep(forward, max(series, default=0))

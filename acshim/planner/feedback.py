@@ -26,6 +26,7 @@ import torch
 from .. import structures
 from .choices import moves_data
 from .profile import Profile
+from .routing import PlanningContext
 
 STEPS = 2
 """Steps timed after a plan (the step it was made in is not: it began before the plan)."""
@@ -36,7 +37,7 @@ MAX_RESOLVES = 2
 class StepTimer:
     """Per-region timing of the steps after a plan (see the module docstring)."""
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: PlanningContext) -> None:
         self.session = session
         self.steps: list[dict[int, list[float]]] = []
         self.current: dict[int, list[float]] | None = None
@@ -100,7 +101,7 @@ class StepTimer:
         return output
 
     def _wait_seconds(self) -> float:
-        return sum(scope.session.stats.wait_seconds for scope in self.session._shared.values())
+        return self.session.offload_wait_seconds()
 
     # ---------------------------------------------------------------------------------- decide
     def decide(self) -> tuple[Profile, str] | None:

@@ -59,6 +59,7 @@ from .explored import HELD_UNIT, ChoiceSteps, median_per_key, rounded
 from .plan import HEADROOM, Plan, solve_within
 from .process import Guard, ProcessMemory, trim
 from .profile import BlockProfile, Profile, block_key, model_signature
+from .routing import PlanningContext
 from .sites import device_of, outermost_module_on_stack, rank, site_names
 from .solver import BudgetTooSmall, minimum_peak
 
@@ -272,7 +273,7 @@ class StepPeak:
         return max(0, self.guard.peak, self._sampled, *self.phases.values())
 
 
-def storage_choices(session: Any, device: torch.device) -> list[str]:
+def storage_choices(session: PlanningContext, device: torch.device) -> list[str]:
     """The storage tier's choices a sharded model is offered, as the single-process planner names
     them: the session's tier, else disk on CPU and host memory on an accelerator; none where that
     tier would move nothing (host memory on CPU)."""
@@ -282,7 +283,7 @@ def storage_choices(session: Any, device: torch.device) -> list[str]:
             and not (choice.endswith(":host") and device.type == "cpu")]
 
 
-def explore_steps(session: Any) -> int:
+def explore_steps(session: PlanningContext) -> int:
     """The steps ``session``'s sharded model is explored on before its plan (also after it stopped)."""
     device = device_of(session.root) if session.root is not None else torch.device("cpu")
     return EXPLORE_STEPS + len(storage_choices(session, device))
@@ -321,7 +322,7 @@ class _RegionMarks:
 class LockstepPlanner:
     """Plans ``session``'s sharded model on its real steps (see the module docstring)."""
 
-    def __init__(self, session: Any, root: nn.Module, memory: ProcessMemory, baseline: int,
+    def __init__(self, session: PlanningContext, root: nn.Module, memory: ProcessMemory, baseline: int,
                  explore: bool = True) -> None:
         self.session, self.root, self.memory = session, root, memory
         self.device = device_of(root)
@@ -447,8 +448,7 @@ class LockstepPlanner:
                 return None
             self.exploring = False
             self.profile = self._profile(self.run_peaks["recompute"])
-            budget = session._budget_bytes if session._budget_bytes is not None else session.budget
-            plan = self._solve_on_rank0(budget, overhead=0)
+            plan = self._solve_on_rank0(session.planned_budget, overhead=0)
         else:
             plan = session.plan
             plan.measured_process_peak = peak

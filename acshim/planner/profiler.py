@@ -67,6 +67,7 @@ from .profile import (
     measure_choice,
 )
 from .replay import Copies, replay_spec, spec_of
+from .routing import Mode, PlanningContext
 from .tracker import LiveBytes, excluded_keys, grad_keys
 
 GUARD_MARGIN = 0.01
@@ -118,7 +119,7 @@ class RegionProfiler:
     """Measurements of ``session``'s model within ``limit`` bytes above ``baseline`` (see the module
     docstring). Enter it to start the guard; ``limit`` may be set later (a fractional budget)."""
 
-    def __init__(self, session: Any, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def __init__(self, session: PlanningContext, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  loss_fn: Callable[[Any], torch.Tensor] | None, memory: ProcessMemory, baseline: int,
                  limit: int | None) -> None:
         # Measurements run forward and backward many times: on the script's own inputs their
@@ -200,15 +201,15 @@ class RegionProfiler:
             loss.backward()
         del loss
 
-    def _settle(self) -> None:
-        """After a measurement the guard stopped: wait for copies still in flight to a tier (they hold
-        memory), drop the aliases' gradients and collect the stopped step's garbage."""
-        for scope in list(self.session._shared.values()):
+    def _settle(self, schedules: dict[str, SharedOffload] | None = None) -> None:
+        """After a measurement the guard stopped: wait for copies still in flight to a tier through its
+        offload ``schedules`` (they hold memory), drop the aliases' gradients and collect the stopped
+        step's garbage."""
+        for scope in list((schedules or {}).values()):
             try:
                 scope.session.raise_write_errors(wait=True)
             except OSError:
                 pass
-        self.session._shared = {}
         self.root.zero_grad(set_to_none=True)
         gc.collect()
         REAPER.settle(timeout=10.0)
@@ -222,7 +223,6 @@ class RegionProfiler:
         ``fraction / (1 - fraction)`` of the counted bytes (beyond what the interrupted step's first
         part, which it repeats, took). ``OverBudget`` if stopped: one forward, keeping nothing,
         already needs more than the budget can be."""
-        self.session.mode = "count"
         self.guard.open_window("one forward of the model, keeping nothing")
         saved = SavedBytes(set(self.excluded))
         if fraction is not None:
@@ -233,7 +233,7 @@ class RegionProfiler:
             # checkpointing holds that too), and no plan runs without one block's forward.
             self.guard.limit = lambda: start + floor + int(share * saved.total()) if saved.owner == OUTSIDE else None
         stopped = None
-        with saved:
+        with self.session.routing(Mode.COUNT), saved:
             self.saved = saved
             chunked = head.available(self.root)  # the logits need not exist in a plan: nor here
             watch = None
@@ -324,7 +324,6 @@ class RegionProfiler:
         blocks hold nothing) and ``seconds`` of the part outside the regions run as ``choice``,
         ``INFEASIBLE`` held bytes if it went over the budget."""
         session = self.session
-        session.mode = "replay"
         self.guard.open_window(f"the part outside the regions ({choice})")
         self._window_start = self.guard.last
         install_outside(self.root, choice, session.prefetch, {})
@@ -333,7 +332,7 @@ class RegionProfiler:
         self.root.zero_grad(set_to_none=True)
         stopped = False
         try:
-            with tracker:
+            with session.routing(Mode.REPLAY), tracker:
                 with Stopwatch() as watch:
                     self.step(tracker)
                 tracker.mark("end")
@@ -363,7 +362,6 @@ class RegionProfiler:
         """Each distinct region alone, per choice (see the module docstring). With ``defer``, a choice
         that ``DEFERRED`` bounds by two measured ones is not measured yet (``pending``): its block
         profiles hold it as ``INFEASIBLE`` until ``measure_pending`` runs it."""
-        self.session.mode = "alone"
         self._choices = list(choices)
         profiles: list[BlockProfile] = []
         fresh: list[tuple[BlockProfile, Any]] = []
@@ -425,7 +423,6 @@ class RegionProfiler:
         for part in sorted(self.pending_outside & wanted if wanted is not None else set(self.pending_outside)):
             self.pending_outside.discard(part)
             profile.outside[part] = self.outside(part)
-        self.session.mode = "alone"
         for key, pending in list(self._pending.items()):
             for choice in sorted(pending & wanted if wanted is not None else set(pending), key=_memory_rank):
                 pending.discard(choice)
@@ -495,24 +492,22 @@ class RegionProfiler:
         session = self.session
         args, kwargs, flags = site.captured
         self.guard.open_window(f"region {site.name} as {choice}")
-        session._shared = {}  # a fresh schedule per measurement
         offload = SharedOffload(choice.partition(":")[2], session.prefetch) if is_offload(choice) else None
-        if offload is not None:
-            session._shared[offload.storage] = offload
+        schedules = {offload.storage: offload} if offload is not None else {}  # a fresh schedule per measurement
         found = None
         REAPER.settle(timeout=10.0)  # what the last measurement's copies held: released, not counted here
         try:
-            found = measure_choice(functools.partial(_run_as, session, site, choice), args, kwargs,
-                                   flags, excluded_keys(self.root, (args, kwargs)),
-                                   functools.partial(grad_keys, self.root),
-                                   functools.partial(self.root.zero_grad, set_to_none=True), offload)
+            with session.routing(Mode.ALONE, schedules=schedules):
+                found = measure_choice(functools.partial(_run_as, session, site, choice), args, kwargs,
+                                       flags, excluded_keys(self.root, (args, kwargs)),
+                                       functools.partial(grad_keys, self.root),
+                                       functools.partial(self.root.zero_grad, set_to_none=True), offload)
         except OverBudget:
             pass
         finally:
             if found is None:
                 self.stops[f"region {site.name}"] = max(self.stops.get(f"region {site.name}", 0), self.guard.window_peak)
-                self._settle()
-            session._shared = {}
+                self._settle(schedules)
         return found
 
     # ---------------------------------------------------------------------------------- 4. verify
@@ -522,36 +517,33 @@ class RegionProfiler:
         or ``memory="tensors"``: the tracker would cost this step a tenth of its time for numbers the
         budget is not about)."""
         session = self.session
-        session.mode, session._candidate = "measure", choices
-        session._shared = offload_scopes(choices, outside, session.prefetch, in_flight)
+        schedules = offload_scopes(choices, outside, session.prefetch, in_flight)
         self.guard.open_window("one step of the model under the candidate plan")
         self.root.zero_grad(set_to_none=True)
         tracked = not self.memory.available
         tracker: Any = LiveBytes(set(self.excluded), timed=True) if tracked else _ProcessMarks(self.guard)
-        install_outside(self.root, outside, session.prefetch, session._shared)
-        session._outside = outside
         stopped = False
-        try:
-            with tracker:
-                with Stopwatch() as watch:
-                    self.step(tracker)
-                    for scope in session._shared.values():  # copies still in flight are part of the step
-                        scope.session.raise_write_errors(wait=True)
-                tracker.mark("end")
-            if self.memory.available:
-                self.guard.sample()
-        except OverBudget:
-            stopped = True
-        finally:
-            install_outside(self.root, "keep")
-            session._outside = "keep"
+        with session.routing(Mode.MEASURE, candidate=choices, schedules=schedules):
+            session.run_outside(self.root, outside, schedules)
+            try:
+                with tracker:
+                    with Stopwatch() as watch:
+                        self.step(tracker)
+                        for scope in schedules.values():  # copies still in flight are part of the step
+                            scope.session.raise_write_errors(wait=True)
+                    tracker.mark("end")
+                if self.memory.available:
+                    self.guard.sample()
+            except OverBudget:
+                stopped = True
+            finally:
+                session.run_outside(self.root, "keep")
         process_peak = self.guard.window_peak if self.memory.available else None
         if stopped:  # outside the except block: the stopped step's frames are gone with its traceback
             live = tracker.series(set())[-1] if tracked and tracker.events else 0
             tracker.release()
-            self._settle()
+            self._settle(schedules)
             return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True, live_at_stop=live)
-        session._shared = {}
         self.root.zero_grad(set_to_none=True)
         if not tracked:
             return Verification(tracker.marks["forward"], process_peak or 0, process_peak, watch.wall)
@@ -592,7 +584,7 @@ def detached_inputs(value: Any) -> Any:
                     for leaf in leaves])
 
 
-def _run_as(session: Any, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:
+def _run_as(session: PlanningContext, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:
     return session.run_choice(site, choice, site.function, args, kwargs)
 
 

@@ -70,6 +70,7 @@ from .process import OverBudget, ProcessMemory, check_memory_kind, trim
 from .profile import INFEASIBLE, Profile, input_shapes, model_signature
 from .profiler import GUARD_MARGIN, RegionProfiler, Verification, detached_inputs
 from .report import frontier_table
+from .routing import Mode
 from .script_loss import ScriptLossWindow
 from .sites import (
     RegionSite,
@@ -132,7 +133,10 @@ class PlanSession:
     """``process`` (the budget is the process's memory, guarded and verified) or ``tensors`` (tensor
     storages as the tracker counts them: no guard; small test models, whose activations are below
     what the process's memory resolves)."""
-    mode: str = "idle"  # idle (-> deferred: SMP v1 stage) -> count / replay / alone / measure (planning) -> planned
+    mode: Mode = Mode.IDLE
+    """How ``route`` runs a region call (``routing.Mode``): idle (-> deferred: an SMP v1 stage; explore: a
+    sharded model) -> plain / count / replay / alone / measure (planning) -> planned. Only this class
+    assigns it; other modules ask for another mode for a while through ``routing``."""
     position: int = 0
     sites: list[RegionSite] = field(default_factory=list)
     plan: Plan | None = None
@@ -180,17 +184,17 @@ class PlanSession:
     @property
     def planned_nothing(self) -> bool:
         """True when no checkpointed region ran with grad enabled: there was nothing to plan."""
-        return self.mode == "idle"
+        return self.mode is Mode.IDLE
 
     @property
     def still_deferred(self) -> bool:
         """True when an SMP v1 pipeline stage (which plans on its second microbatch) never got one."""
-        return self.mode == "deferred"
+        return self.mode is Mode.DEFERRED
 
     @property
     def still_exploring(self) -> bool:
         """True while a sharded model is planned on the script's own steps and has no plan yet."""
-        return self.mode == "explore"
+        return self.mode is Mode.EXPLORE
 
     def start(self, baseline_now: bool = False) -> PlanSession:
         """Check the arguments, load what planning uses (``warmup``) and route every region call to
@@ -235,37 +239,93 @@ class PlanSession:
     # ---------------------------------------------------------------------------------- routing
     def route(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
               options: RegionOptions) -> Any:
+        """Run one region call of the script's as the mode says (``routing.Mode``)."""
         if self.pipeline is not None and self.pipeline.microbatch_key is not None:
             key = self.pipeline.microbatch_key()  # a stage whose regions run outside one module call (SMP v1)
             if key != self._position_key:
                 self._position_key, self.position = key, 0
-                if self.mode == "deferred":  # a microbatch ran whole: its calls' shapes are known
-                    self.mode = "idle"
-        if self.mode == "idle":
+                if self.mode is Mode.DEFERRED:  # a microbatch ran whole: its calls' shapes are known
+                    self.mode = Mode.IDLE
+        if self.mode is Mode.IDLE:
             self._plan_now(function, args, kwargs, options)
         index = self.position
         self.position += 1
-        if self.mode == "plain":  # estimate.forward_peak's fake forward
-            return function(*args, **kwargs)
-        if self.mode == "deferred":  # an SMP v1 stage's first microbatch: the least a region can hold
-            return run_region_now(function, args, kwargs, self._least_options())
-        if self.mode == "explore":  # a sharded model's step run recomputed, measured (lockstep)
-            self._site(index, function, options).calls += 1
-            return self._lockstep.explore(index, function, args, kwargs)  # type: ignore[union-attr]
-        if self.mode == "count":
-            site = self._site(index, function, options)
-            return self._profiler.count_region(index, function, args, kwargs, site)  # type: ignore[union-attr]
-        if self.mode == "replay" and index < len(self.sites):
-            return self._profiler.replay_region(index, args, kwargs)  # type: ignore[union-attr]
-        choices = self._candidate if self.mode == "measure" else self.plan.choices if self.plan else None
-        if self.mode not in ("measure", "planned") or choices is None or index >= len(choices):
+        match self.mode:
+            case Mode.PLAIN:
+                return function(*args, **kwargs)
+            case Mode.DEFERRED:
+                return run_region_now(function, args, kwargs, self._least_options())
+            case Mode.EXPLORE:
+                self._site(index, function, options).calls += 1
+                return self._lockstep.explore(index, function, args, kwargs)  # type: ignore[union-attr]
+            case Mode.COUNT:
+                site = self._site(index, function, options)
+                return self._profiler.count_region(index, function, args, kwargs, site)  # type: ignore[union-attr]
+            case Mode.REPLAY if index < len(self.sites):
+                return self._profiler.replay_region(index, args, kwargs)  # type: ignore[union-attr]
+            case Mode.MEASURE:
+                return self._run_planned(self._candidate, index, function, args, kwargs, options)
+            case Mode.PLANNED:
+                return self._run_planned(self.plan.choices if self.plan else None, index, function, args, kwargs,
+                                         options, self._timer)
+            case _:  # idle, alone (a call nested in the region measured), replay past the recorded regions
+                return run_region_now(function, args, kwargs, RegionOptions())
+
+    def _run_planned(self, choices: list[str] | None, index: int, function: Callable[..., Any],
+                     args: tuple[Any, ...], kwargs: dict[str, Any], options: RegionOptions,
+                     timer: StepTimer | None = None) -> Any:
+        """Region call ``index`` as ``choices[index]`` (a candidate's or the plan's), timed by ``timer``."""
+        if choices is None or index >= len(choices):
             return run_region_now(function, args, kwargs, RegionOptions())  # more regions than planned: safe
         site = self._site(index, function, options)
         site.calls += 1
-        if self._timer is not None and self.mode == "planned":
-            return self._timer.region(index, lambda: self.run_choice(site, choices[index], function, args, kwargs),
-                                      args, kwargs)
+        if timer is not None:
+            return timer.region(index, lambda: self.run_choice(site, choices[index], function, args, kwargs),
+                                args, kwargs)
         return self.run_choice(site, choices[index], function, args, kwargs)
+
+    @contextlib.contextmanager
+    def routing(self, mode: Mode, candidate: list[str] | None = None,
+                schedules: dict[str, SharedOffload] | None = None) -> Iterator[None]:
+        """Route region calls in ``mode`` inside the ``with`` block: with ``candidate``'s choices
+        (``Mode.MEASURE``), the offloaded regions sharing ``schedules`` (``choices.SharedOffload``). The
+        mode, candidate and schedules are put back when the block ends or raises."""
+        saved = self.mode, self._candidate, self._shared
+        self.mode = mode
+        if candidate is not None:
+            self._candidate = candidate
+        if schedules is not None:
+            self._shared = schedules
+        try:
+            yield
+        finally:
+            self.mode, self._candidate, self._shared = saved
+
+    def run_outside(self, root: nn.Module, choice: str, schedules: dict[str, SharedOffload] | None = None) -> None:
+        """Run the part of ``root`` outside the regions as ``choice`` from now on (``install_outside``;
+        ``keep``: the model's own forward), its offloads sharing ``schedules``. A region kept inside an
+        offloaded outside part is not offloaded (``run_choice``)."""
+        install_outside(root, choice, self.prefetch, schedules)
+        self._outside = choice
+
+    def held_now(self) -> int | None:
+        """What the process holds now above the first planned step's start (the heap's free memory
+        given back first), or None where the process's memory cannot be read."""
+        memory, baseline = self._memory, self._baseline
+        if memory is None or not memory.available or baseline is None:
+            return None
+        trim()  # what the heap has freed is not held
+        return memory.current() - baseline
+
+    def offload_wait_seconds(self) -> float:
+        """Seconds the offloaded regions' shared schedules have waited for prefetches, so far."""
+        return sum(scope.session.stats.wait_seconds for scope in self._shared.values())
+
+    @property
+    def planned_budget(self) -> int | float | str:
+        """The budget plans are solved within: a fractional budget's bytes once the first plan fixed
+        them, else the budget as given."""
+        return self._budget_bytes if self._budget_bytes is not None else self.budget
 
     def _site(self, index: int, function: Callable[..., Any], options: RegionOptions) -> RegionSite:
         if index < len(self.sites):
@@ -328,7 +388,7 @@ class PlanSession:
         if self._script_window is not None:  # the planning step is over: its loss was watched
             needed = self._script_window.close()
             self._script_window = None
-        if self.mode != "planned" or not torch.is_grad_enabled() or not module.training:
+        if self.mode is not Mode.PLANNED or not torch.is_grad_enabled() or not module.training:
             return
         shapes = input_shapes(args, kwargs)
         if _larger(shapes, self._planned_shapes):
@@ -406,7 +466,7 @@ class PlanSession:
             self._plan_on(root, root_args, root_kwargs, shapes)
             if self.plan_file and rank() == 0:
                 self.plan.save(self.plan_file)  # type: ignore[union-attr]
-        self.mode, self.position = "planned", 0  # route() takes position 0 for the interrupted call
+        self.mode, self.position = Mode.PLANNED, 0  # route() takes position 0 for the interrupted call
         self._use_schedules(self.plan)  # type: ignore[arg-type]
         if self.plan.outside != "keep":  # type: ignore[union-attr]
             install_outside(root, self.plan.outside, self.prefetch, self._shared)  # type: ignore[union-attr]
@@ -445,7 +505,7 @@ class PlanSession:
         self._take_baseline()
         self.pipeline = stage
         self._position_key = stage.microbatch_key()
-        self.mode = "deferred"
+        self.mode = Mode.DEFERRED
 
     def _least_options(self) -> RegionOptions:
         """The region options holding least while no plan is made yet: recomputed, with the input
@@ -481,7 +541,7 @@ class PlanSession:
         self._planned_shapes = _largest(self._planned_shapes, shapes)
         self._lockstep = LockstepPlanner(self, root, memory, self._baseline, explore=now)
         if now:
-            self.mode, self.position = "explore", 0
+            self.mode, self.position = Mode.EXPLORE, 0
 
     def _lockstep_step(self, root: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """A sharded model's step starts (every rank at once): take the plan the measured steps gave;
@@ -499,15 +559,15 @@ class PlanSession:
             raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}") from None
         if plan is not None:
             plan.profile.inputs = self._planned_shapes
-            self.plan, self.mode = plan, "planned"
+            self.plan, self.mode = plan, Mode.PLANNED
             self._budget_bytes = plan.budget
             self._use_schedules(plan)
-        if self.mode == "explore":
+        if self.mode is Mode.EXPLORE:
             self._planned_shapes = _largest(self._planned_shapes, shapes)
         elif agree_bytes(int(_larger(shapes, self._planned_shapes)), device_of(root)):
             self._planned_shapes = _largest(self._planned_shapes, shapes)
             lockstep.explore_again()
-            self.mode = "explore"
+            self.mode = Mode.EXPLORE
             if rank() == 0 and not self.api:
                 print(f"acshim: --budget {format_bytes(self.plan.budget)}: a rank's step inputs {shapes} are "  # type: ignore[union-attr]
                       "larger than those planned for: this step runs every region recomputed and is measured, "
@@ -633,7 +693,7 @@ class PlanSession:
                                         "backward beyond the planning loss's (measured on the planning step)")
         finally:
             self._profiler = None
-            self.mode = "idle" if self.plan is None else "planned"
+            self.mode = Mode.IDLE if self.plan is None else Mode.PLANNED
         if result.profile.unmeasured:
             result.notes.append(f"not measured, as no plan within {1 - REACH:.0%} of the budget would take them: "
                                 f"{', '.join(result.profile.unmeasured)} (frontier() leaves them out)")
@@ -801,7 +861,7 @@ class PlanSession:
     def _drop_plan(self, root: nn.Module) -> None:
         """Before a plan is made again at a step's start: the current one stops (its timer, its part
         outside the regions back to kept, its shared offload schedules)."""
-        self.mode, self.plan = "idle", None
+        self.mode, self.plan = Mode.IDLE, None
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -814,7 +874,7 @@ class PlanSession:
         """After a plan made again at a step's start: count it, run it from this step on (its
         schedules, its part outside the regions) and return it."""
         self.replans += 1
-        self.mode = "planned"
+        self.mode = Mode.PLANNED
         plan = self.plan
         assert plan is not None
         self._use_schedules(plan)
@@ -877,7 +937,7 @@ class PlanSession:
         finally:
             self._profiler = None
             snapshot.restore()
-            self.mode = "planned"
+            self.mode = Mode.PLANNED
             self._shared = sessions
         changed = found is not None and (found.choices, found.outside) != (plan.choices, plan.outside)
         if rank() == 0 and not self.api:
@@ -1055,7 +1115,7 @@ def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[
     meta = getattr(stage.owner, "_outputs_meta", None)
     if meta is not None:
         return size(meta)
-    previous, position = session.mode, session.position
+    position = session.position
     # a fake forward still runs some in-place updates of real state for real (BatchNorm's 0-dim
     # num_batches_tracked, measured): the stage's buffers and attributes are put back after it
     snapshot = ModelSnapshot(stage.module)
@@ -1064,13 +1124,13 @@ def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[
                 as mode, torch.no_grad():
             fake_args, fake_kwargs = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
                                               (args, kwargs))
-            session.mode = "plain"
-            return size(stage.module(*fake_args, **fake_kwargs))
+            with session.routing(Mode.PLAIN):
+                return size(stage.module(*fake_args, **fake_kwargs))
     except Exception:  # a forward that depends on values, or an operator without a fake kernel
         return tensor_bytes((args, kwargs))
     finally:
         snapshot.restore()
-        session.mode, session.position = previous, position
+        session.position = position
 
 
 def _fresh_baseline(memory: ProcessMemory) -> int:
