@@ -184,17 +184,17 @@ class PlanSession:
     @property
     def planned_nothing(self) -> bool:
         """True when no checkpointed region ran with grad enabled: there was nothing to plan."""
-        return self.mode is Mode.IDLE
+        return self.mode == Mode.IDLE
 
     @property
     def still_deferred(self) -> bool:
         """True when an SMP v1 pipeline stage (which plans on its second microbatch) never got one."""
-        return self.mode is Mode.DEFERRED
+        return self.mode == Mode.DEFERRED
 
     @property
     def still_exploring(self) -> bool:
         """True while a sharded model is planned on the script's own steps and has no plan yet."""
-        return self.mode is Mode.EXPLORE
+        return self.mode == Mode.EXPLORE
 
     def start(self, baseline_now: bool = False) -> PlanSession:
         """Check the arguments, load what planning uses (``warmup``) and route every region call to
@@ -244,9 +244,9 @@ class PlanSession:
             key = self.pipeline.microbatch_key()  # a stage whose regions run outside one module call (SMP v1)
             if key != self._position_key:
                 self._position_key, self.position = key, 0
-                if self.mode is Mode.DEFERRED:  # a microbatch ran whole: its calls' shapes are known
+                if self.mode == Mode.DEFERRED:  # a microbatch ran whole: its calls' shapes are known
                     self.mode = Mode.IDLE
-        if self.mode is Mode.IDLE:
+        if self.mode == Mode.IDLE:
             self._plan_now(function, args, kwargs, options)
         index = self.position
         self.position += 1
@@ -388,7 +388,7 @@ class PlanSession:
         if self._script_window is not None:  # the planning step is over: its loss was watched
             needed = self._script_window.close()
             self._script_window = None
-        if self.mode is not Mode.PLANNED or not torch.is_grad_enabled() or not module.training:
+        if self.mode != Mode.PLANNED or not torch.is_grad_enabled() or not module.training:
             return
         shapes = input_shapes(args, kwargs)
         if _larger(shapes, self._planned_shapes):
@@ -562,7 +562,7 @@ class PlanSession:
             self.plan, self.mode = plan, Mode.PLANNED
             self._budget_bytes = plan.budget
             self._use_schedules(plan)
-        if self.mode is Mode.EXPLORE:
+        if self.mode == Mode.EXPLORE:
             self._planned_shapes = _largest(self._planned_shapes, shapes)
         elif agree_bytes(int(_larger(shapes, self._planned_shapes)), device_of(root)):
             self._planned_shapes = _largest(self._planned_shapes, shapes)
