@@ -419,14 +419,16 @@ class PlanSession:
             # planning's backwards must not reach the received activations: the schedule sends
             # their .grad to the previous stage (storage shared, no copy)
             found = (self.pipeline.module, *detached_inputs((self.pipeline.args, self.pipeline.kwargs)))
+            # SMP v1 stages plan at their second microbatch, when the first has shown the calls' shapes
+            which = "second" if self.pipeline.after_first_microbatch else "first"
             if self.plan_file:
                 self.stop()
                 raise PlanExit(2, f"acshim run --plan-file: {self.pipeline.describe()}: each stage has its own plan, "
-                                  "and a plan file holds one; drop --plan-file (each stage plans on its first "
+                                  f"and a plan file holds one; drop --plan-file (each stage plans on its {which} "
                                   "microbatch)")
             if self.exit_after_plan:
                 self.stop()
-                raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own first "
+                raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own {which} "
                                   "microbatch, and one stage ending there would leave the others waiting; run the "
                                   "script as acshim run --budget B (each stage's plan is logged)")
             self.schedule_held = self.pipeline.held(

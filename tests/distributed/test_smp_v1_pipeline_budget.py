@@ -68,3 +68,12 @@ def test_an_smp_v1_budget_in_mib_plans_both_stages_and_one_too_small_is_refused_
     fits = launch(torchrun("-m", "acshim", "run", "--budget", f"{max(suggested, 90.0)}MiB", SCRIPT), env=ENV,
                   timeout=300)
     _check(fits, "interleaved")
+
+
+def test_acshim_plan_on_smp_v1_stages_is_refused_saying_when_each_stage_plans(launch, torchrun) -> None:
+    """``acshim plan`` would end one stage while the other waits: refused with exit 2, saying that
+    each SMP v1 stage plans at its second microbatch (the first shows the calls' shapes)."""
+    run = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SCRIPT), env=ENV, timeout=300)
+    assert run.returncode != 0 and "RESULT" not in run.stdout
+    assert re.search(r"exitcode\s*: 2", run.stderr), run.stderr[-3000:]
+    assert "each stage plans at its own second microbatch" in run.stderr, run.stderr[-3000:]
