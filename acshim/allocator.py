@@ -10,6 +10,15 @@ mallopt(3)). ``acshim run --budget`` and ``acshim plan`` make this call before t
 ``acshim.plan`` makes it when called. Nothing is done on a C library without ``mallopt`` (macOS,
 musl), nor where the user set ``MALLOC_MMAP_THRESHOLD_`` (theirs is kept).
 
+On a CUDA device the same holds for the caching allocator: by default it keeps freed blocks in
+fixed-size segments, so what it reserves (the memory an out-of-memory error and ``nvidia-smi``
+count) can run far above what tensors hold, differently from run to run. With
+``expandable_segments:True`` (PyTorch's "CUDA memory management" notes) a segment grows and shrinks
+by pages as tensors need, so reserved memory follows allocated memory. ``own()`` sets it through
+``PYTORCH_CUDA_ALLOC_CONF`` before CUDA starts (and through
+``torch.cuda.memory._set_allocator_settings`` where torch is imported already), unless the user
+configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``: theirs is kept).
+
 This module imports nothing heavy: ``acshim/__init__`` runs it before it imports torch.
 """
 
@@ -23,6 +32,8 @@ import sys
 M_MMAP_THRESHOLD = -3  # glibc malloc.h
 THRESHOLD = 65536
 _ENV = "MALLOC_MMAP_THRESHOLD_"
+CUDA_SETTING = "expandable_segments:True"
+_CUDA_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 _state: dict[str, str] = {}
 
@@ -38,12 +49,33 @@ def own() -> str:
     else:
         how = "mallopt" if _mallopt(M_MMAP_THRESHOLD, THRESHOLD) else "unavailable"
     _state["how"] = how
+    _state["cuda"] = _own_cuda_allocator()
     return how
 
 
 def how_set() -> str | None:
     """What :func:`own` returned in this process, or None where it was not called."""
     return _state.get("how")
+
+
+def cuda_how_set() -> str | None:
+    """How :func:`own` left the CUDA caching allocator: ``"expandable"`` (it set
+    ``expandable_segments:True``), ``"user"`` (the user's ``PYTORCH_CUDA_ALLOC_CONF`` /
+    ``PYTORCH_ALLOC_CONF`` is kept), or None where ``own`` was not called."""
+    return _state.get("cuda")
+
+
+def _own_cuda_allocator() -> str:
+    if any(os.environ.get(name) for name in _CUDA_ENVS):
+        return "user"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_SETTING  # read when CUDA starts (and by child processes)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():  # imported already: the environment may be read
+        try:
+            torch.cuda.memory._set_allocator_settings(CUDA_SETTING)
+        except (AttributeError, RuntimeError):  # a torch without the runtime setter: the variable stands
+            pass
+    return "expandable"
 
 
 def _mallopt(param: int, value: int) -> bool:

@@ -7,7 +7,7 @@ and inputs held, as in training):
 
 - ``none``: one step without checkpointing; its reserved peak above the baseline is what a fraction
   budget is a fraction of, as the user measures it;
-- ``plan:F``: ``acshim.plan(model, batch, F)``, then ``plan.apply(model)`` and ``--steps`` steps:
+- ``plan:F`` (for every ``--fractions`` F): ``acshim.plan(model, batch, F)``, then ``plan.apply(model)`` and ``--steps`` steps:
   the planner's predicted peak and verified peak against ``max_memory_reserved`` above the baseline
   for the planning call itself and for each step after it;
 - ``run:F``: the same loop as a script under ``python -m acshim run --hf --budget F`` (the CLI path
@@ -73,13 +73,25 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 def reserved_peak_of(action: Any, base: int) -> tuple[float, float]:
-    """``(MiB reserved above base at the peak, seconds)`` of ``action()``."""
+    """``(MiB reserved above base at the peak, seconds)`` of ``action()``; the allocated peak above
+    the allocated start goes to ``ALLOCATED`` (the allocator's slack is the difference)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    allocated = torch.cuda.memory_allocated()
     start = time.perf_counter()
     action()
     torch.cuda.synchronize()
+    ALLOCATED.append((torch.cuda.max_memory_allocated() - allocated) / MiB)
     return (torch.cuda.max_memory_reserved() - base) / MiB, time.perf_counter() - start
+
+
+ALLOCATED: list[float] = []
+
+
+def expandable() -> bool:
+    """Whether the caching allocator made expandable segments (``acshim.allocator`` sets them under
+    ``--budget``; a user's ``PYTORCH_CUDA_ALLOC_CONF`` is kept)."""
+    return any(segment.get("is_expandable", False) for segment in torch.cuda.memory_snapshot())
 
 
 def warm(model: torch.nn.Module, batch: dict[str, Any]) -> int:
@@ -98,7 +110,8 @@ def row_none(args: argparse.Namespace) -> dict[str, Any]:
     steps = [reserved_peak_of(lambda: step(model, batch), base)[1] for _ in range(args.steps)]
     torch.manual_seed(1)
     step(model, batch)
-    return {"row": "none", "step_mib": [peak], "step_s": min(steps), "grads": fingerprint(model)}
+    return {"row": "none", "step_mib": [peak], "allocated_mib": ALLOCATED[:1], "step_s": min(steps),
+            "grads": fingerprint(model), "expandable": expandable()}
 
 
 def row_plan(args: argparse.Namespace, fraction: float) -> dict[str, Any]:
@@ -130,13 +143,14 @@ def row_plan(args: argparse.Namespace, fraction: float) -> dict[str, Any]:
     return {"row": f"plan:{fraction}", "budget_mib": plan.budget / MiB,
             "reference_mib": plan.reference_peak / MiB, "predicted_mib": plan.peak / MiB, "verified_mib": (plan.measured_process_peak or 0) / MiB,
             "choices": plan.describe(), "planning_mib": planning_mib, "planning_s": planning_s,
-            "step_mib": step_mib, "step_s": min(times), "grads": fingerprint(model)}
+            "step_mib": step_mib, "allocated_mib": ALLOCATED, "step_s": min(times), "grads": fingerprint(model),
+            "expandable": expandable()}
 
 
 SCRIPT = """
 import json, sys, time, torch
 sys.path.insert(0, {bench!r})
-from gpu_planner import build, batch_of, step, fingerprint, MiB
+from gpu_planner import build, batch_of, step, fingerprint, expandable, MiB
 import argparse
 torch.use_deterministic_algorithms(True)
 args = argparse.Namespace(**json.loads({shape!r}))
@@ -150,7 +164,7 @@ for index in range({steps}):
     step(model, batch)
     torch.cuda.synchronize()
     peaks.append((torch.cuda.max_memory_reserved() - base) / MiB)
-print("RESULT " + json.dumps({{"step_mib": peaks, "grads": fingerprint(model)}}))
+print("RESULT " + json.dumps({{"step_mib": peaks, "grads": fingerprint(model), "expandable": expandable()}}))
 """
 
 
@@ -164,7 +178,7 @@ def row_run(args: argparse.Namespace, fraction: float) -> dict[str, Any]:
         done = subprocess.run([sys.executable, "-m", "acshim", "run", "--hf", "--budget", str(fraction), path],
                               capture_output=True, text=True, timeout=args.child_timeout)
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), {})
-    report = [line for line in done.stderr.splitlines() if "acshim" in line][-6:]
+    report = [line for line in done.stderr.splitlines() if "acshim" in line][-8:]
     return {"row": f"run:{fraction}", "returncode": done.returncode, "report": report, **result}
 
 
@@ -198,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.row:
         child(args)
         return 0
-    first, *others = args.fractions
-    rows = ["none", f"plan:{first}", f"run:{first}", *(f"plan:{f}" for f in others)]
+    rows = ["none", *(f"{kind}:{f}" for f in args.fractions for kind in ("plan", "run"))]
     shape = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--seq",
              str(args.seq), "--steps", str(args.steps), "--child-timeout", str(args.child_timeout)]
     results = []

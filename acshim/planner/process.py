@@ -20,6 +20,14 @@ an operator's own scratch memory, freed before it returns, is the one thing it c
 Written by hand: neither the CPU allocator nor the profiler reports process memory (docs/measuring.md),
 and ``VmHWM`` can only be reset for the whole process (``/proc/self/clear_refs``), which would wipe
 the user's own high-water mark.
+
+On a CUDA device the caching allocator keeps freed blocks for reuse, so ``memory_reserved`` does not
+fall when tensors are freed. ``trim()`` gives those cached blocks back (``empty_cache``) wherever a
+measurement starts, as it gives the heap's free pages back on CPU, so that one measurement does not
+start with the last one's cache; and the guard charges an operator's outputs only beyond what the
+cache can serve (``ProcessMemory.reusable``: reserved less allocated), since an output that fits in
+freed blocks adds nothing to reserved memory. ``acshim run --budget`` also sets the allocator's
+``expandable_segments`` (``acshim.allocator``), so that reserved memory follows allocated memory.
 """
 
 from __future__ import annotations
@@ -93,6 +101,15 @@ class ProcessMemory:
             fields = os.pread(self._fd, 128, 0).split()
         return (int(fields[1]) - int(fields[2])) * _PAGE  # resident less file-backed (see the module docstring)
 
+    def reusable(self) -> int:
+        """Bytes new tensors can take without raising ``current()``: on a CUDA device, the blocks the
+        caching allocator has reserved and tensors do not hold (an upper bound: a block too small
+        for a request is not used for it); 0 on CPU, where freed heap memory is given back (``trim``)
+        before every measurement."""
+        if not self.available or self.device.type != "cuda":
+            return 0
+        return max(0, int(torch.cuda.memory_reserved(self.device)) - int(torch.cuda.memory_allocated(self.device)))
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -110,9 +127,12 @@ _TRIM: Any = None
 
 def trim() -> None:
     """Give the heap's free memory back to the operating system (glibc ``malloc_trim(0)``; a no-op
-    elsewhere), so a baseline read next is not inflated by memory already freed. On a CUDA device
-    nothing is released: ``memory_reserved`` is the baseline as the allocator holds it."""
+    elsewhere), and the CUDA caching allocator's free blocks back to the device where CUDA has
+    started (``torch.cuda.empty_cache``), so a baseline read next is not inflated by memory already
+    freed. Called where a measurement starts, never in a planned step."""
     global _TRIM
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     if _TRIM is None:
         try:
             _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
@@ -130,8 +150,10 @@ class Guard(TorchDispatchMode):
     is within the largest rise seen so far, or twice the operator's largest input, of it; or the
     operator can make outputs larger than its inputs: a matmul, a factory, a concatenation) first has
     its outputs sized on the meta device (shape inference, nothing allocated) and is stopped before
-    it allocates them; the others are checked by the sample after them. ``what`` names the
-    measurement for the error (``open_window``); ``limit=None`` only records."""
+    it allocates them; the others are checked by the sample after them. Outputs that the CUDA
+    caching allocator's free blocks can hold (``ProcessMemory.reusable``) are not charged before
+    they run: they may add nothing, and the sample after them sees what they did add. ``what``
+    names the measurement for the error (``open_window``); ``limit=None`` only records."""
 
     def __init__(self, memory: ProcessMemory, baseline: int, limit: int | Callable[[], int] | None = None) -> None:
         super().__init__()
@@ -183,8 +205,10 @@ class Guard(TorchDispatchMode):
             size = 0 if uncommitted(func, args, kwargs) else _product_bytes(func, args)
             if size is None:
                 size = _output_bytes(func, args, kwargs)
-            if size is not None and self.used() + size > limit:
-                raise OverBudget(self.used() + size, limit, self.what, str(func), size)
+            if size is not None:
+                after = self.used() + max(0, size - self.memory.reusable())
+                if after > limit:
+                    raise OverBudget(after, limit, self.what, str(func), size)
         before = self.last
         out = func(*args, **kwargs)
         self.largest_step = max(self.largest_step, self.sample() - before)

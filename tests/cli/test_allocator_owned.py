@@ -73,3 +73,30 @@ def test_run_budget_sets_the_threshold_without_any_malloc_variable(tmp_path: Pat
     plain = _child(PROBE, tmp_path=tmp_path)
     assert plain["how"] is None and plain["kept"] >= 7 << 20, plain
 
+
+
+CUDA_PROBE = """
+import json, os
+import acshim.allocator
+print("RESULT " + json.dumps({"cuda": acshim.allocator.cuda_how_set(),
+                              "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}))
+"""
+
+
+@pytest.mark.parametrize("users", [None, "max_split_size_mb:128"], ids=["unset", "users-own"])
+def test_run_budget_makes_the_cuda_allocator_follow_tensors_unless_the_user_configured_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, users: str | None) -> None:
+    """``acshim run --budget`` sets ``expandable_segments:True`` before CUDA can start, so that reserved
+    memory (what a GPU budget is of) follows what tensors hold; a user's own allocator setting is
+    kept as it is. Without ``--budget`` nothing is set."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if users is not None:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users)
+    owned = _child(CUDA_PROBE, "-m", "acshim", "run", "--budget", "0.5", tmp_path=tmp_path)
+    if users is None:
+        assert owned == {"cuda": "expandable", "conf": "expandable_segments:True"}
+    else:
+        assert owned == {"cuda": "user", "conf": users}
+    plain = _child(CUDA_PROBE, "-m", "acshim", "run", tmp_path=tmp_path)
+    assert plain == {"cuda": None, "conf": users}

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from acshim.planner.process import Guard, OverBudget, ProcessMemory
+from acshim.planner.process import Guard, OverBudget, ProcessMemory, trim
 
 MIB = 2**20
 
@@ -59,3 +59,53 @@ def test_a_linear_on_a_batch_of_sequences_counts_its_output_once() -> None:
     with _guard(room=12 * MIB), pytest.raises(OverBudget) as stopped:
         torch.nn.functional.linear(hidden, weight)             # what does not fit is still stopped
     assert stopped.value.size == 16 * MIB
+
+
+class _FakeCudaCounters:
+    """The CUDA caching allocator's two counters, set by the test (this machine has no GPU)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, reserved: int, allocated: int) -> None:
+        self.reserved, self.allocated, self.emptied = reserved, allocated, 0
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self._empty)
+
+    def _empty(self) -> None:
+        self.emptied += 1
+        self.reserved = self.allocated
+
+
+@pytest.mark.parametrize("cached", [6 * MIB, 0], ids=["cache-holds-it", "no-cache"])
+def test_on_cuda_outputs_the_cache_can_hold_are_not_charged_before_they_run(monkeypatch: pytest.MonkeyPatch,
+                                                                            cached: int) -> None:
+    """On a GPU the guard's unit is reserved memory, which freed tensors do not lower: an operator
+    whose 4 MiB output fits in the 6 MiB the allocator has cached adds nothing to it, so it runs
+    under a limit 8 MiB above a start 6 MiB below it (the GPU run of 2026-11-27 stopped such
+    measurements, refusing budgets that plan). Without that cache it is stopped before it runs."""
+    counters = _FakeCudaCounters(monkeypatch, reserved=100 * MIB + 6 * MIB, allocated=100 * MIB + 6 * MIB - cached)
+    memory = ProcessMemory("cuda")
+    assert memory.reusable() == cached
+    left, right = torch.ones(1024, 1), torch.ones(1, 1024)  # a 4 MiB outer product
+    with Guard(memory, 100 * MIB, limit=8 * MIB) as guard:
+        if cached:
+            assert (left @ right).shape == (1024, 1024)
+            assert guard.peak == 6 * MIB          # sampled after it ran, as reserved memory
+        else:
+            with pytest.raises(OverBudget) as stopped:
+                left @ right
+            assert stopped.value.used == 10 * MIB and stopped.value.size == 4 * MIB
+    assert counters.emptied == 0                  # a guard never empties the cache by itself
+
+
+def test_a_measurement_starts_without_the_last_ones_cuda_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trim()`` (called where every measurement and baseline starts) gives the caching allocator's
+    free blocks back once CUDA has started, so reserved memory starts at what tensors hold."""
+    counters = _FakeCudaCounters(monkeypatch, reserved=300 * MIB, allocated=120 * MIB)
+    memory = ProcessMemory("cuda")
+    with Guard(memory, 0) as guard:
+        guard.open_window("block 0 kept")
+    assert counters.emptied == 1 and memory.current() == 120 * MIB and guard.window_peak == 120 * MIB
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    trim()
+    assert counters.emptied == 1                  # CUDA never started: nothing to give back
