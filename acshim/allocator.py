@@ -71,8 +71,10 @@ def _own_cuda_allocator() -> str:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_SETTING  # read when CUDA starts (and by child processes)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():  # imported already: the environment may be read
+        # torch 2.9 and later name the setter for every accelerator (the CUDA one warns it is deprecated)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
         try:
-            torch.cuda.memory._set_allocator_settings(CUDA_SETTING)
+            setter(CUDA_SETTING)
         except (AttributeError, RuntimeError):  # a torch without the runtime setter: the variable stands
             pass
     return "expandable"

@@ -4,6 +4,7 @@ provenance check (``head_rows``) that finds which of its rows a loss's input is.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -59,7 +60,8 @@ def chunk_logits_grad(hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.
     lp = torch._log_softmax(x, 1, False)
     target = torch.where(used, entry.target[safe], torch.full_like(safe, entry.ignore_index))
     if entry.reduction == "none":
-        grad_out = torch.where(used, entry.grad_out[safe], torch.zeros((), dtype=entry.grad_out.dtype))
+        grad_out = torch.where(used, entry.grad_out[safe],
+                               torch.zeros((), dtype=entry.grad_out.dtype, device=entry.grad_out.device))
     else:
         grad_out = entry.grad_out
     grad = logits_grad(grad_out, lp, target, entry.ignore_index, entry.reduction, entry.total_weight)
@@ -67,8 +69,8 @@ def chunk_logits_grad(hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def inverse_rows(entry: PendingLoss, rows: int) -> torch.Tensor:
-    inverse = torch.full((rows,), -1, dtype=torch.int64)
-    inverse[entry.rows] = torch.arange(entry.rows.numel())
+    inverse = torch.full((rows,), -1, dtype=torch.int64, device=entry.rows.device)
+    inverse[entry.rows] = torch.arange(entry.rows.numel(), device=entry.rows.device)
     return inverse
 
 
@@ -167,7 +169,7 @@ def head_rows(input: torch.Tensor, config: HeadConfig) -> torch.Tensor | None:
         fn = fn.next_functions[0][0] if fn.next_functions else None
     if fn is not node or shape != config.shape or casts > 1:
         return None
-    index = torch.arange(int(torch.tensor(config.shape[:-1]).prod())).view(*config.shape[:-1], 1)
+    index = torch.arange(math.prod(config.shape[:-1]), device=input.device).view(*config.shape[:-1], 1)
     for kind, argument in reversed(steps):
         if kind == "view":
             index = index.reshape(*argument[:-1], 1)

@@ -241,3 +241,24 @@ def test_uninstall_takes_every_chunked_head_off() -> None:
         acshim.uninstall()
     assert all("forward" not in m.lm_head.__dict__ and head.installed_mode(m) is None for m in models)
     assert len(head.INSTALLS) == 0
+
+
+def test_the_chunked_head_makes_every_tensor_on_the_logits_device() -> None:
+    """The chunked head and loss run wherever the model does: each tensor they create names its
+    device (on a GPU, row indices made on the CPU beside CUDA targets raised "Expected all tensors
+    to be on the same device" in the backward of the head's projection; found on an H200 on
+    2026-11-27). This machine has no GPU, so the rule is checked in the source: no tensor factory
+    in ``acshim/head`` is called without ``device=``."""
+    import ast
+    from pathlib import Path
+
+    factories = {"arange", "full", "zeros", "ones", "empty", "tensor", "rand", "randn", "randint", "eye", "as_tensor"}
+    folder = Path(head.__file__).parent
+    undeviced = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in factories
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and not any(keyword.arg == "device" for keyword in node.keywords)):
+                undeviced.append(f"{path.name}:{node.lineno}: torch.{node.func.attr}")
+    assert len(list(folder.rglob("*.py"))) >= 3 and not undeviced, undeviced
