@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .random_ops import recompute_random_ops
+
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
 aten = torch.ops.aten
@@ -230,8 +232,9 @@ _default_scopes: dict[Any, Any] = {}
 
 
 def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn | None:
-    """``context_fn`` with its policy's ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` honoured in
-    eager mode through acshim's storage tier (``scope``: a ``storage.boundary_offload(...)``; None
+    """``context_fn`` with every random operator recomputed (``acshim.random_ops``: a saved one would
+    leave the recompute's later draws off by one) and its policy's ``MUST_CPU_OFFLOAD`` /
+    ``PREFER_CPU_OFFLOAD`` honoured in eager mode through acshim's storage tier (``scope``: a ``storage.boundary_offload(...)``; None
     = one shared scope built from ``storage.get_defaults()``). Each region call is one prefetch group.
     Contexts that are not torch's selective-checkpoint pair, and calls while torch.compile traces
     (where torch offloads itself), are left alone. Idempotent."""
@@ -241,8 +244,10 @@ def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn
     def with_offload() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         forward, recompute = context_fn()
         caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
-        if (not _OFFLOAD_POLICIES or caching is None or not isinstance(forward, caching)
-                or torch.compiler.is_compiling() or not isinstance(getattr(forward, "storage", None), defaultdict)
+        if caching is None or not isinstance(forward, caching) or torch.compiler.is_compiling():
+            return forward, recompute  # (a compiled graph replays its random operators itself)
+        _random_ops_recomputed(forward, recompute)
+        if (not _OFFLOAD_POLICIES or not isinstance(getattr(forward, "storage", None), defaultdict)
                 or forward.storage):
             return forward, recompute
         session = (scope if scope is not None else _default_scope()).session
@@ -270,6 +275,16 @@ def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn
     with_offload.__wrapped__ = context_fn  # type: ignore[attr-defined]
     with_offload._acshim_scope = scope  # type: ignore[attr-defined]
     return with_offload
+
+
+def _random_ops_recomputed(forward: Any, recompute: Any) -> None:
+    """The selective pair's policy made to recompute every operator that draws random numbers
+    (``random_ops``), in the recompute too where torch asks it again (before 2.13)."""
+    policy = forward.policy_fn
+    guarded = recompute_random_ops(policy)
+    forward.policy_fn = guarded
+    if getattr(recompute, "policy_fn", None) is policy:
+        recompute.policy_fn = guarded
 
 
 def offload_tier(context_fn: ContextFn | None) -> str:
