@@ -12,7 +12,8 @@ and inputs held, as in training):
   for the planning call itself and for each step after it;
 - ``run:F``: the same loop as a script under ``python -m acshim run --hf --budget F`` (the CLI path
   users take; ``--hf`` checkpoints the model's layers), each step's reserved peak above the first
-  step's start, with the CLI's own report.
+  step's start (``step_mib``) and above its own start (``own_start_mib``: from the second step on,
+  gradients are held at the start, as in the ``none`` row), with the CLI's own report.
 
 Every row's gradients (deterministic kernels, same seed) are hashed and compared with ``none``'s.
 
@@ -155,16 +156,19 @@ import argparse
 torch.use_deterministic_algorithms(True)
 args = argparse.Namespace(**json.loads({shape!r}))
 model, batch = build(args), batch_of(args)
-peaks = []
+peaks, own = [], []
 for index in range({steps}):
     torch.cuda.synchronize(); base = torch.cuda.memory_reserved() if index == 0 else base
+    start = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     if index == {steps} - 1:
         torch.manual_seed(1)
     step(model, batch)
     torch.cuda.synchronize()
     peaks.append((torch.cuda.max_memory_reserved() - base) / MiB)
-print("RESULT " + json.dumps({{"step_mib": peaks, "grads": fingerprint(model), "expandable": expandable()}}))
+    own.append((torch.cuda.max_memory_reserved() - start) / MiB)
+print("RESULT " + json.dumps({{"step_mib": peaks, "own_start_mib": own, "grads": fingerprint(model),
+                               "expandable": expandable()}}))
 """
 
 
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.3])
     parser.add_argument("--child-timeout", type=int, default=120)
+    parser.add_argument("--kinds", nargs="+", choices=("plan", "run"), default=["plan", "run"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--row", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.row:
         child(args)
         return 0
-    rows = ["none", *(f"{kind}:{f}" for f in args.fractions for kind in ("plan", "run"))]
+    rows = ["none", *(f"{kind}:{f}" for f in args.fractions for kind in args.kinds)]
     shape = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch), "--seq",
              str(args.seq), "--steps", str(args.steps), "--child-timeout", str(args.child_timeout)]
     results = []
