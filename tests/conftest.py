@@ -34,13 +34,15 @@ def pytest_configure(config: pytest.Config) -> None:
             prefix="acshim-tests-extensions-")
     if int(getattr(config, "workerinput", {}).get("workercount", 1)) > 1:
         # Several xdist workers share the cores: torch's intra-op pool, one thread per core in each
-        # worker, oversubscribes them, and OpenMP's spin-waiting then more than doubles the time of
-        # in-process tests (84 engine tests on 2 cores with 2 workers: 21 s, against 9.5 s with one
-        # thread each). Only this process is set: tests that start a subprocess give it the
-        # environment they mean to test (a user's has torch's defaults), not an inherited variable.
+        # worker and in each process a test starts, oversubscribes them, and OpenMP's spin-waiting
+        # then more than doubles the time of CPU-bound tests (84 engine tests on 2 cores with 2
+        # workers: 21 s, against 9.5 s with one thread each). Each worker and the processes it starts
+        # run one intra-op thread (most subprocess tests set OMP_NUM_THREADS=1 themselves already);
+        # a value the caller set is kept, and a test may still set its own for its subprocess.
         import torch
 
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
