@@ -47,7 +47,9 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     With ``memory="process"`` on glibc, the call fixes the process's ``M_MMAP_THRESHOLD`` at 64 KiB
     (``acshim.allocator.own``; kept where ``MALLOC_MMAP_THRESHOLD_`` is set) so that its resident
     memory follows what tensors hold; set it before the model is built (or call
-    ``acshim.allocator.own()`` first) to plan from a heap that already follows it.
+    ``acshim.allocator.own()`` first) to plan from a heap that already follows it. The same call
+    sets the CUDA caching allocator's ``expandable_segments`` unless ``PYTORCH_CUDA_ALLOC_CONF`` /
+    ``PYTORCH_ALLOC_CONF`` is set, so that reserved memory on a GPU follows what tensors hold.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"acshim.plan needs an nn.Module, got {type(model).__name__}")
