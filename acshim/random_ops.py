@@ -11,10 +11,12 @@ GPU draw their dropout inside the kernel): HF GPT-2 with attention dropout, plan
 H200, gave gradients off by up to 0.015 in 146 of 148 parameters. On a CPU, attention with dropout
 runs as separate operators (``bernoulli_`` then ``bmm``), so the trap did not show there.
 
-``recompute_random_ops(policy)`` answers "recompute" for every operator that draws random numbers
-(tagged ``nondeterministic_seeded`` and not told to draw none: ``dropout_p=0``, ``p=0`` or
-``train=False``), whatever ``policy`` said; every random operator then runs again in the recompute,
-in order, from the restored state, and draws what it drew in the forward.
+``recompute_random_ops(policy)`` answers "recompute" for every operator that draws from the default
+generators (tagged ``nondeterministic_seeded`` and not told to draw none: ``dropout_p=0``, ``p=0`` or
+``train=False``), whatever ``policy`` said; every such operator then runs again in the recompute, in
+order, from the restored state, and draws what it drew in the forward. An operator given its own
+``generator=`` is left to the policy: its draws shift no other operator's, and the recompute does not
+restore that generator, so replaying its saved output is what stays exact.
 """
 
 from __future__ import annotations
@@ -37,17 +39,17 @@ def _random_arguments(op: Any) -> tuple[bool, dict[str, int]] | None:
         return None
     schema = getattr(op, "_schema", None)
     names = [argument.name for argument in schema.arguments] if schema is not None else []
-    return True, {name: index for index, name in enumerate(names) if name in ("dropout_p", "p", "train")}
+    return True, {name: index for index, name in enumerate(names) if name in ("dropout_p", "p", "train", "generator")}
 
 
 def draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``op`` called with ``args``/``kwargs`` draws from a random number generator."""
+    """Whether ``op`` called with ``args``/``kwargs`` draws from the default random number generators."""
     found = _random_arguments(op)
     if found is None:
         return False
     values = {name: kwargs.get(name, args[index] if index < len(args) else None)
               for name, index in found[1].items()}
-    if values.get("train") is False:
+    if values.get("train") is False or values.get("generator") is not None:
         return False
     for name in ("dropout_p", "p"):
         if name in values and isinstance(values[name], (int, float)) and not isinstance(values[name], bool):

@@ -245,7 +245,7 @@ def honour_offload(context_fn: ContextFn | None, scope: Any = None) -> ContextFn
         forward, recompute = context_fn()
         caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
         if caching is None or not isinstance(forward, caching) or torch.compiler.is_compiling():
-            return forward, recompute  # (a compiled graph replays its random operators itself)
+            return forward, recompute  # (a compiled graph saves random operators' outputs: nothing draws again)
         _random_ops_recomputed(forward, recompute)
         if (not _OFFLOAD_POLICIES or not isinstance(getattr(forward, "storage", None), defaultdict)
                 or forward.storage):

@@ -144,7 +144,8 @@ def row_plan(args: argparse.Namespace, fraction: float) -> dict[str, Any]:
     return {"row": f"plan:{fraction}", "budget_mib": plan.budget / MiB,
             "reference_mib": plan.reference_peak / MiB, "predicted_mib": plan.peak / MiB, "verified_mib": (plan.measured_process_peak or 0) / MiB,
             "choices": plan.describe(), "planning_mib": planning_mib, "planning_s": planning_s,
-            "step_mib": step_mib, "allocated_mib": ALLOCATED, "step_s": min(times), "grads": fingerprint(model),
+            "step_mib": step_mib, "planning_allocated_mib": ALLOCATED[0], "allocated_mib": ALLOCATED[1:],
+            "step_s": min(times), "grads": fingerprint(model),
             "expandable": expandable()}
 
 

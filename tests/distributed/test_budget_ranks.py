@@ -16,10 +16,11 @@ PLANNABLE = {"DDP_BUDGET_SIZE": "256x2048"}
 docs/measuring.md says."""
 
 
-@pytest.mark.parametrize(("setting", "reentrant", "slow_rank"), [  # (plain DDP: what both cases do besides)
+@pytest.mark.parametrize(("setting", "reentrant", "slow_rank"), [
+    ("plain", False, None),
     ("static_graph", True, None),        # DDP records used parameters on the first step: planning must not touch it
     ("find_unused", False, "1"),         # rank 1 is slower: its timings differ, its plan must not
-], ids=["static_graph-reentrant", "find_unused-slow_rank"])
+], ids=["plain", "static_graph-reentrant", "find_unused-slow_rank"])
 def test_ddp_ranks_share_one_plan_within_budget_and_train_exactly(launch, torchrun, setting: str, reentrant: bool,
                                                                   slow_rank: str | None) -> None:
     env = {**PLANNABLE, **({"SLOW_RANK": slow_rank} if slow_rank else {})}

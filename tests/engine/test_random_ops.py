@@ -55,6 +55,32 @@ def test_a_saved_random_operator_leaves_the_later_draws_of_the_recompute_exact(h
         assert torch.equal(got, expected)
 
 
+def test_a_saved_random_operator_with_its_own_generator_is_replayed_exactly() -> None:
+    """An operator drawing from a generator the script passes shifts no other draw, and the recompute
+    does not restore that generator: the policy's "save" stands, and replaying it is exact (drawn
+    again, it would take the generator's next numbers)."""
+
+    def run(x: torch.Tensor, weight: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(11)
+
+        def region(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            noise = torch.rand(x.shape, generator=generator)
+            return F.dropout(torch.tanh((x + noise) @ weight), 0.5, training=True)
+
+        def save_own_draws(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+            return CheckpointPolicy.MUST_SAVE if op is aten.rand.generator else CheckpointPolicy.PREFER_RECOMPUTE
+
+        if not checkpointed:
+            return region(x, weight)
+        return acshim.checkpoint(region, x, weight, use_reentrant=False,
+                                 context_fn=lambda: create_selective_checkpoint_contexts(save_own_draws))
+
+    plain = _grads(lambda x, w: run(x, w, False))
+    checkpointed = _grads(lambda x, w: run(x, w, True))
+    for got, expected in zip(checkpointed, plain, strict=True):
+        assert torch.equal(got, expected)
+
+
 def test_which_operators_draw_random_numbers() -> None:
     q = torch.empty(1, 2, 4, 8, device="meta")
     efficient = aten._scaled_dot_product_efficient_attention.default
@@ -65,4 +91,6 @@ def test_which_operators_draw_random_numbers() -> None:
     assert not draws_random(aten.native_dropout.default, (q, 0.1, False), {})  # evaluation: the identity
     assert draws_random(aten.bernoulli_.float, (q, 0.5), {})
     assert draws_random(aten.rand_like.default, (q,), {})
+    assert not draws_random(aten.rand.generator, ([2, 3],), {"generator": torch.Generator()})  # its own generator
+    assert not draws_random(aten.bernoulli.default, (q, torch.Generator()), {})
     assert not draws_random(aten.mm.default, (q, q), {})
