@@ -37,6 +37,7 @@ stage, the calls it served in the last whole microbatch (``ServedCalls`` runs th
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,16 +111,36 @@ class Failed:
 
 @dataclass
 class End:
-    """The driver finished the step: its outputs (packed) and RNG state, or the error it hit."""
+    """The driver finished the step: its outputs (packed) and RNG state, or the error it hit (and
+    ``exit_code`` where that error ends the process with one: ``SystemExit``, an ``acshim plan`` exit)."""
 
     outputs: Any = None
     tensors: list[torch.Tensor] = field(default_factory=list)
     rng: torch.Tensor | None = None
     error: str | None = None
+    exit_code: int | None = None
 
 
 class PipelineAborted(RuntimeError):
     """The driver's step function failed; the other stages stop with it."""
+
+
+def exit_code_of(error: BaseException) -> int | None:
+    """The process exit code an error ends the driver with: ``SystemExit`` and acshim's plan exit
+    (both ``BaseException`` with an int ``code``); None for ordinary errors (exit 1)."""
+    code = getattr(error, "code", None)
+    return code if not isinstance(error, Exception) and isinstance(code, int) else None
+
+
+def abort(message: End) -> BaseException:
+    """What a stage raises when the driver ended the step with an error: the same exit code where
+    the driver exits with one (so a launcher reports the same code from every rank, whichever it
+    sees first), else ``PipelineAborted``."""
+    if message.exit_code is not None:
+        print(f"acshim: pipeline driver exited with code {message.exit_code}: {message.error}", file=sys.stderr,
+              flush=True)
+        return SystemExit(message.exit_code)
+    return PipelineAborted(message.error)
 
 
 # -- the autograd seam ------------------------------------------------------------------------------
@@ -405,7 +426,7 @@ class StageRunner:
             if isinstance(message, Failed) and message.request == request:
                 raise RuntimeError(f"pipeline stage of rank {sender} failed: {message.error}")
             if isinstance(message, End) and message.error is not None:
-                raise PipelineAborted(message.error)
+                raise abort(message)
             self.serve(sender, message)
 
     # -- serving ----------------------------------------------------------------------------------
@@ -476,16 +497,16 @@ class StageRunner:
                 self._alive.clear()
                 self.steps += 1
                 if message.error is not None:
-                    raise PipelineAborted(message.error)
+                    raise abort(message)
                 return message
             self.serve(sender, message)
 
-    def end_step(self, outputs: Any = None, error: str | None = None) -> None:
+    def end_step(self, outputs: Any = None, error: str | None = None, exit_code: int | None = None) -> None:
         """The driver: tell every other stage the step is over (with its outputs, or its error)."""
         self.records.clear()
         self.steps += 1
         skeleton, tensors = transport.pack(outputs)
-        message = End(skeleton, [transport.wire_copy(t) for t in tensors], torch.get_rng_state(), error)
+        message = End(skeleton, [transport.wire_copy(t) for t in tensors], torch.get_rng_state(), error, exit_code)
         for stage, rank in enumerate(self.ranks):
             if stage != self.stage:
                 transport.send(message, rank)
@@ -549,5 +570,5 @@ def install(runner: StageRunner) -> None:
             module.forward = StageDispatch(runner, module)
 
 
-__all__ = ["ALIVE_AT_ONCE", "Assignment", "End", "PipelineAborted", "RemoteCall", "ServedCall", "ServedCalls",
+__all__ = ["ALIVE_AT_ONCE", "Assignment", "End", "PipelineAborted", "abort", "exit_code_of", "RemoteCall", "ServedCall", "ServedCalls",
            "StageDispatch", "StageRunner", "install", "partition_groups"]

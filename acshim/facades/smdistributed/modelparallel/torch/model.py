@@ -122,7 +122,7 @@ class DistributedModel(nn.Module):
         else:
             _, message = transport.receive(0)
             if isinstance(message, runner_mod.End):
-                raise runner_mod.PipelineAborted(message.error)
+                raise runner_mod.abort(message)
             partitions = message.partitions
         self._apply_partitions(partitions)
 
@@ -156,14 +156,15 @@ class DistributedModel(nn.Module):
         torch.set_rng_state(end.rng)
         return transport.unpack(end.outputs, end.tensors) or []
 
-    def _end_pipeline_step(self, outputs: Any = None, error: str | None = None) -> None:
-        """The driver: end the step on every other stage (with the outputs, or the error met)."""
+    def _end_pipeline_step(self, outputs: Any = None, error: str | None = None, exit_code: int | None = None) -> None:
+        """The driver: end the step on every other stage (with the outputs, or the error met and the
+        exit code it ends the process with, if any)."""
         if getattr(self, "_partition_failed", False):
             return
         if self._runner is not None:
-            self._runner.end_step(outputs, error)
+            self._runner.end_step(outputs, error, exit_code)
             return
-        message = runner_mod.End(error=error or "the smp.step function never called the model")
+        message = runner_mod.End(error=error or "the smp.step function never called the model", exit_code=exit_code)
         for rank in comm.pipeline_ranks()[1:]:
             transport.send(message, rank)
         if error is None:

@@ -29,6 +29,7 @@ import torch
 
 from acshim import structures
 
+from . import _pipeline_runner as runner_mod
 from . import comm
 from .exceptions import DistributedModelNotWrappedError, InvalidStepOutputError, TensorSplitError
 from .state_mod import state
@@ -193,7 +194,8 @@ class StepFunction:
                     outputs.append(self.func(*mb_args, **mb_kwargs))
         except BaseException as error:
             if model.pipelined:
-                model._end_pipeline_step(error=f"{type(error).__name__}: {error}")
+                model._end_pipeline_step(error=f"{type(error).__name__}: {error}",
+                                         exit_code=runner_mod.exit_code_of(error))
             raise
         finally:
             state.in_step_func = False
