@@ -262,3 +262,51 @@ def test_the_chunked_head_makes_every_tensor_on_the_logits_device() -> None:
                     and not any(keyword.arg == "device" for keyword in node.keywords)):
                 undeviced.append(f"{path.name}:{node.lineno}: torch.{node.func.attr}")
     assert len(list(folder.rglob("*.py"))) >= 3 and not undeviced, undeviced
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape,vocab", [((2, 64, 48), 3001), ((96, 48), 517), ((2, 3, 5, 48), 64), ((1, 1, 48), 8)])
+def test_the_head_backward_without_its_forward_gives_autograds_gradients_bitwise(dtype, shape, vocab) -> None:
+    """The trainable exact head's backward runs the two matmuls autograd runs for ``F.linear``
+    (no logits-sized output computed again): bitwise equal to autograd on ``F.linear``; a bias or
+    a non-contiguous input takes autograd's own path."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(*shape, dtype=dtype), torch.randn(vocab, shape[-1], dtype=dtype)
+    grad = torch.randn(*shape[:-1], vocab, dtype=dtype)
+    for needs in [(True, True, False), (False, True, False), (True, False, False)]:
+        fast = projection._linear_backward(hidden, weight, None, grad, needs)
+        slow = projection._linear_backward_by_autograd(hidden, weight, None, grad, needs)
+        for a, b in zip(fast, slow, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    calls: list[int] = []
+    original = projection._linear_backward_by_autograd
+    try:
+        projection._linear_backward_by_autograd = lambda *args: calls.append(1) or original(*args)
+        bias = torch.randn(vocab, dtype=dtype)
+        projection._linear_backward(hidden, weight, bias, grad, (True, True, True))
+        strided = torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]  # the same shape, not contiguous
+        projection._linear_backward(strided, weight, None, grad, (True, True, False))
+    finally:
+        projection._linear_backward_by_autograd = original
+    assert len(calls) == 2
+
+
+def test_a_trainable_exact_head_peaks_near_one_logits_in_backward() -> None:
+    """With the head trainable (exact), the backward holds the logits' gradient and the weight's,
+    not a recomputed logits-sized output as well: about 1.3 logits at peak, where the path that
+    ran ``F.linear`` again for its backward peaked above two (its forward output beside the
+    gradient)."""
+    ids = _ids(batch=4, seq=128)
+    logits_bytes = ids.numel() * VOCAB * 4
+    model = _model()
+    with head.chunked(model, "head", chunk_bytes=SMALL_CHUNKS):
+        _, peak_head = _peak(model, ids, LOSSES["hf"])
+    original = projection._linear_backward
+    try:
+        projection._linear_backward = projection._linear_backward_by_autograd
+        with head.chunked(model, "head", chunk_bytes=SMALL_CHUNKS):
+            _, peak_autograd = _peak(model, ids, LOSSES["hf"])
+    finally:
+        projection._linear_backward = original
+    assert peak_head < 1.5 * logits_bytes, peak_head / logits_bytes
+    assert peak_autograd > peak_head + 0.8 * logits_bytes, (peak_autograd / logits_bytes, peak_head / logits_bytes)
