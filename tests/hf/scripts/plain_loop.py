@@ -23,14 +23,18 @@ def high_water_mark() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
+LAYERS, WIDTH, VOCAB, BATCH, SEQ = (int(v) for v in os.environ.get("PLAIN_LOOP_SHAPE", "6,128,512,8,121").split(","))
+"""Layers, width, vocabulary, batch and sequence length: issue 26's loop by default; another shape
+for docs/planner.md's figures (``PLAIN_LOOP_SHAPE=4,256,32000,2,256``)."""
+
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=6,
-                     num_attention_heads=4, num_key_value_heads=4, attention_dropout=0.1)
+config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=WIDTH * 43 // 16,  # 344 at 128
+                     num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, attention_dropout=0.1)
 model = LlamaForCausalLM(config)
 model.gradient_checkpointing_enable()
 model.train()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-batches = [torch.randint(0, 512, (8, 121)) for _ in range(4)]
+batches = [torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(4)]
 
 FROM_STEP = int(os.environ.get("PLAIN_LOOP_FROM_STEP", "1"))
 """The step (1-based) whose start is the baseline: 1 counts planning, 2 the planned steps only."""

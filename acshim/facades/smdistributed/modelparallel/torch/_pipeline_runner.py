@@ -570,5 +570,5 @@ def install(runner: StageRunner) -> None:
             module.forward = StageDispatch(runner, module)
 
 
-__all__ = ["ALIVE_AT_ONCE", "Assignment", "End", "PipelineAborted", "abort", "exit_code_of", "RemoteCall", "ServedCall", "ServedCalls",
-           "StageDispatch", "StageRunner", "install", "partition_groups"]
+__all__ = ["ALIVE_AT_ONCE", "Assignment", "End", "PipelineAborted", "RemoteCall", "ServedCall", "ServedCalls",
+           "StageDispatch", "StageRunner", "abort", "exit_code_of", "install", "partition_groups"]
