@@ -157,10 +157,11 @@ import argparse
 torch.use_deterministic_algorithms(True)
 args = argparse.Namespace(**json.loads({shape!r}))
 model, batch = build(args), batch_of(args)
-peaks, own = [], []
+peaks, own, allocated = [], [], []
 for index in range({steps}):
     torch.cuda.synchronize(); base = torch.cuda.memory_reserved() if index == 0 else base
     start = torch.cuda.memory_reserved()
+    first = torch.cuda.memory_allocated() if index == 0 else first
     torch.cuda.reset_peak_memory_stats()
     if index == {steps} - 1:
         torch.manual_seed(1)
@@ -168,8 +169,9 @@ for index in range({steps}):
     torch.cuda.synchronize()
     peaks.append((torch.cuda.max_memory_reserved() - base) / MiB)
     own.append((torch.cuda.max_memory_reserved() - start) / MiB)
-print("RESULT " + json.dumps({{"step_mib": peaks, "own_start_mib": own, "grads": fingerprint(model),
-                               "expandable": expandable()}}))
+    allocated.append((torch.cuda.max_memory_allocated() - first) / MiB)
+print("RESULT " + json.dumps({{"step_mib": peaks, "own_start_mib": own, "allocated_mib": allocated,
+                               "grads": fingerprint(model), "expandable": expandable()}}))
 """
 
 

@@ -84,7 +84,8 @@ from .sites import (
 )
 from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak, unit_of
-from .steps import StepStart
+from .steps import StepStart, device_key, held_now
+from .training_state import OptimizerWatch, TrainingState, training_state
 from .warmup import warm_up
 
 METHOD = ("measured on the script's first step under a guard on the process's memory: one forward counted what "
@@ -100,6 +101,11 @@ class PlanExit(BaseException):
         super().__init__(message)
         self.code, self.message = code, message
 
+
+MAX_STATE_RESOLVES = 2
+"""Times a run's plan is solved again for the gradients and optimizer state its steps came to hold
+(``_charge_training_state``): once for the gradients a first backward made, once for the state an
+optimizer's first step made later (gradient accumulation)."""
 
 FAKE_PEAK_SHARE = 0.9
 """Share of the fake step's peak (tensor storages, gradients excluded) taken as a lower bound of no
@@ -153,6 +159,9 @@ class PlanSession:
     _start: StepStart | None = None
     _memory: ProcessMemory | None = None
     _baseline: int | None = None
+    """What ``_memory`` read at the first planned step's start (``_take_baseline``)."""
+    _held_at_start: dict[str, int] | None = None
+    """``steps.held_now`` at that start, per device, before the model's device was known."""
     _budget_bytes: int | None = None
     """A fractional budget in bytes, fixed by the first plan (later plans keep it)."""
     _planned_shapes: list[list[int]] = field(default_factory=list)
@@ -172,6 +181,13 @@ class PlanSession:
     _script_part: int = 0
     """Bytes the script's own loss and its backward need beyond the planning loss's, charged to
     every plan solved after it was measured (``_charge_script_part``)."""
+    _watch: OptimizerWatch | None = None
+    """Notes the optimizers that step while the script runs (``training_state``)."""
+    _state_at_solve: TrainingState | None = None
+    """The model's gradients and optimizer state when the plan in force was solved (the process
+    held them then, so the plan left room for them); a step that starts holding more than that
+    beyond the plan's room is solved again first (``_charge_training_state``)."""
+    _state_resolves: int = 0
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
@@ -207,9 +223,12 @@ class PlanSession:
             warm_up(self.choices, self.storage)
         self._memory = ProcessMemory("cpu", enabled=self.memory == "process")
         if baseline_now:
-            self._baseline = _fresh_baseline(self._memory)
+            self._held_at_start = held_now(self._memory)
+            self._baseline = self._held_at_start["cpu"]
         else:
             self._start = StepStart(self._memory).start()
+        if not self.api:  # acshim.plan ends before the script's steps
+            self._watch = OptimizerWatch().start()
         engine.ROUTERS.append(self)
         return self
 
@@ -226,6 +245,9 @@ class PlanSession:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -391,10 +413,13 @@ class PlanSession:
         if self.mode != Mode.PLANNED or not torch.is_grad_enabled() or not module.training:
             return
         shapes = input_shapes(args, kwargs)
+        replans = self.replans
         if _larger(shapes, self._planned_shapes):
             self._replan(module, tuple(args), dict(kwargs), shapes)
         elif needed is not None:
             self._charge_script_part(module, tuple(args), dict(kwargs), needed)
+        if self.replans == replans:  # a plan solved just now was solved with what is held now
+            self._charge_training_state(module, tuple(args), dict(kwargs))
         if self._timer is not None:
             self._timer.step_started(module, tuple(args), dict(kwargs))
         # a plan made or re-solved just now was verified on whole steps of the model, which moved
@@ -445,7 +470,7 @@ class PlanSession:
                               "so there is no model to plan for; checkpoint blocks inside the model's forward (or "
                               "drop --budget)")
         root, root_args, root_kwargs = found
-        self._take_baseline()
+        self._take_baseline(device_of(root))
         self.root = root
         self._handle = root.register_forward_pre_hook(self._before_step, with_kwargs=True)
         shapes = input_shapes(root_args, root_kwargs)
@@ -483,12 +508,21 @@ class PlanSession:
                 and self._memory is not None and self._memory.available and self._memory.device.type == "cpu"):
             self._script_window = ScriptLossWindow(root, self._memory)  # the script's loss, as it continues
 
-    def _take_baseline(self) -> None:
-        """The budget's baseline: the process memory when the first planned step started."""
+    def _take_baseline(self, device: torch.device) -> None:
+        """The budget's baseline: what the process held on the model's ``device`` when the first
+        planned step started (on a GPU, the caching allocator's reserved bytes: every later reading
+        is of those, so ``_memory`` becomes that device's from here on)."""
         if self._start is not None:
-            self._baseline = self._start.baseline
+            self._held_at_start = self._start.held or self._held_at_start
             self._start.stop()
             self._start = None
+        if device.type == "cuda" and (self._memory is None or self._memory.device.type != "cuda"):
+            self._memory = ProcessMemory(device, enabled=self.memory == "process")
+        held = self._held_at_start or {}
+        if self._memory is not None and device_key(self._memory.device) in held:
+            self._baseline = held[device_key(self._memory.device)]
+        elif self._memory is not None and (self._baseline is None or device.type == "cuda"):
+            self._baseline = _fresh_baseline(self._memory)  # the device's allocator started inside the step
         if not self._resident_at_start:
             self._resident_at_start = _status_bytes("VmRSS")
         self._rank = rank()
@@ -503,8 +537,8 @@ class PlanSession:
             # when its first call of the step runs (it holds that call's received arguments)
             self._start.stop()
             self._start = None
-            self._baseline = _fresh_baseline(self._memory or ProcessMemory("cpu", enabled=self.memory == "process"))
-        self._take_baseline()
+            self._held_at_start = held_now(self._memory or ProcessMemory("cpu", enabled=self.memory == "process"))
+        self._take_baseline(device_of(stage.module))
         self.pipeline = stage
         self._position_key = stage.microbatch_key()
         self.mode = Mode.DEFERRED
@@ -534,10 +568,7 @@ class PlanSession:
         """Start planning a sharded model on its real steps: this one runs every region recomputed
         and is measured; the plan is solved when the next starts (``lockstep``). Not ``now``: a plan
         from a file runs, and only a step with larger inputs is explored."""
-        memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
-        if device_of(root).type == "cuda":
-            memory = ProcessMemory(device_of(root), enabled=self.memory == "process")
-            self._memory = memory
+        memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")  # the model's (_take_baseline)
         if self._baseline is None:
             self._baseline = _fresh_baseline(memory)
         self._planned_shapes = _largest(self._planned_shapes, shapes)
@@ -592,10 +623,7 @@ class PlanSession:
                  ) -> None:
         """Plan on one step of ``root`` on ``args``/``kwargs`` (the model left as found)."""
         snapshot = ModelSnapshot(root)
-        memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
-        device = device_of(root)
-        if device.type == "cuda":
-            memory = ProcessMemory(device, enabled=self.memory == "process")
+        memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")  # the model's (_take_baseline)
         # the budget stays above what the process held when the first planned step started (what
         # it has grown by since, code paged in, worker threads, is the run's and counts)
         if self._baseline is None:
@@ -635,6 +663,7 @@ class PlanSession:
         self._drop_sites_data()
         self._planned_shapes = _largest(self._planned_shapes, shapes)
         self.plan.profile.inputs = shapes  # type: ignore[union-attr]
+        self._state_at_solve = training_state(root, self._watch)
 
     def _solve(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], memory: ProcessMemory,
                baseline: int) -> Plan:
@@ -912,19 +941,44 @@ class PlanSession:
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
 
-    def resolve(self, profile: Profile, why: str) -> bool:
+    def _charge_training_state(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A step that starts holding more gradients and optimizer state than the plan in force was
+        solved with (``training_state``: counted from the tensors), by more than the room its
+        prediction left under the budget, has the plan solved again first, with what the process
+        holds now; at most ``MAX_STATE_RESOLVES`` times a run. Single-process plans: ranks that plan
+        together, pipeline stages and plan files keep theirs."""
+        plan, before = self.plan, self._state_at_solve
+        if (plan is None or before is None or self.api or self.world != 1 or self.pipeline is not None
+                or self.memory != "process" or self._state_resolves >= MAX_STATE_RESOLVES):
+            return
+        now = training_state(root, self._watch)
+        grown = now.total - before.total
+        predicted = max(plan.peak + plan.overhead, plan.measured_process_peak or 0)
+        if grown <= 0 or predicted + grown <= int(plan.budget * (1 - HEADROOM)):
+            return
+        self._state_resolves += 1
+        why = (f"this step started holding {now.describe()} for the model, {format_bytes(grown)} more than when the "
+               f"plan was solved (a first step makes them; predicted with them: {format_bytes(predicted + grown)})")
+        self.resolve(plan.profile, why, args, kwargs)
+        self._state_at_solve = now  # refused too: not tried again for what it could not fit
+
+    def resolve(self, profile: Profile, why: str, args: tuple[Any, ...] | None = None,
+                kwargs: dict[str, Any] | None = None) -> bool:
         """Solve ``profile`` (measured costs) again at the same budget and, if that gives another plan,
-        verify it on one step of the model before the next step runs; True if the plan changed."""
+        verify it on one step of the model (on ``args``/``kwargs``, else the step the timer holds)
+        before the next step runs; True if the plan changed."""
         plan = self.plan
         root = self.root
         assert plan is not None and root is not None
+        if args is None:
+            args, kwargs = self._timer.args, self._timer.kwargs  # type: ignore[union-attr]
         memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
         snapshot = ModelSnapshot(root)
         sessions = self._shared
         try:
             with _counters_paused(), parameters_aliased(root):
-                profiler = RegionProfiler(self, root, self._timer.args, self._timer.kwargs,  # type: ignore[union-attr]
-                                          self.loss_fn, memory, self._baseline or _fresh_baseline(memory), plan.budget)
+                profiler = RegionProfiler(self, root, args, kwargs or {}, self.loss_fn, memory,
+                                          self._baseline or _fresh_baseline(memory), plan.budget)
                 self._profiler = profiler
                 reserve = math.ceil(self._script_part / (1 - HEADROOM))  # the script's own loss (_solve)
                 with profiler:
@@ -934,18 +988,16 @@ class PlanSession:
                                          retries=self.retries, overhead=profiler.used(), skip=(plan.choices, plan.outside))
                 if reserve:
                     found.budget, found.overhead = plan.budget, found.overhead + self._script_part
-        except (BudgetTooSmall, ValueError):
-            found = None
+        except (BudgetTooSmall, ValueError) as error:
+            found, refused = None, error
+        else:
+            refused = None
         finally:
             self._profiler = None
             snapshot.restore()
             self.mode = Mode.PLANNED
             self._shared = sessions
         changed = found is not None and (found.choices, found.outside) != (plan.choices, plan.outside)
-        if rank() == 0 and not self.api:
-            outcome = (f"now {found.describe()}" if changed and found is not None else "kept the plan")
-            print(f"acshim: --budget {format_bytes(plan.budget)}: {why}; solved again with the measured costs: "
-                  f"{outcome}", file=sys.stderr, flush=True)
         if changed and found is not None:
             found.notes.append(f"re-solved after planning: {why}")
             if self._outside != "keep":
@@ -958,6 +1010,21 @@ class PlanSession:
                 self._outside = found.outside
         else:
             plan.profile = profile
+            if found is not None:  # the same plan: its prediction now with what is held besides now
+                plan.overhead = found.overhead
+        if found is not None:  # what the plan in force was solved with
+            self._state_at_solve = training_state(root, self._watch)
+        if rank() == 0 and not self.api:
+            if changed:
+                outcome = f"now {self.summary(brief=True)}"
+            elif refused is not None:
+                least = (f"; the least budget that plans it: {format_bytes(refused.suggested)}"
+                         if isinstance(refused, BudgetTooSmall) and refused.suggested else "")
+                outcome = f"kept the plan, as none was found within the budget ({refused}){least}"
+            else:
+                outcome = "kept the plan"
+            print(f"acshim: --budget {format_bytes(plan.budget)}: {why}; solved again with the measured costs: "
+                  f"{outcome}", file=sys.stderr, flush=True)
         return changed
 
     # ---------------------------------------------------------------------------------- reporting

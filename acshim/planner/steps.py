@@ -7,6 +7,12 @@ planner's guard measures from. ``StepStart`` notes the process memory at every o
 made with grad enabled (global forward hooks count the nesting depth), after giving the heap's free
 memory back, as a measurement's baseline would (``process.trim``). It is removed once planning
 starts: it costs a Python call per module call while it is installed.
+
+The model's device is not known until planning finds the model, so the start is noted for the CPU
+and for every CUDA device whose caching allocator has started (``held_now``); the session keeps the
+model's (on a GPU, a CUDA baseline taken as the process's anonymous memory measured every step's
+reserved bytes from the wrong origin: the H200's verified peaks differed from the steps' by -90 to
++250 MiB).
 """
 
 from __future__ import annotations
@@ -20,12 +26,32 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from .process import ProcessMemory, trim
 
 
+def held_now(memory: ProcessMemory) -> dict[str, int]:
+    """What the process holds now, after giving back what its allocators keep free (``trim``):
+    ``memory``'s reading under ``"cpu"``, and the caching allocator's reserved bytes under
+    ``"cuda:N"`` for every CUDA device it has started on (``device_key``)."""
+    trim()
+    held = {"cpu": memory.current()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            held[f"cuda:{index}"] = int(torch.cuda.memory_reserved(index))
+    return held
+
+
+def device_key(device: torch.device) -> str:
+    """``held_now``'s key for ``device`` (a CUDA device without an index is the current one)."""
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
 class StepStart:
     """The process memory at the start of the latest outermost module call with grad enabled."""
 
     def __init__(self, memory: ProcessMemory) -> None:
         self.memory = memory
-        self.baseline: int | None = None
+        self.held: dict[str, int] | None = None
+        """``held_now`` at that call's start (None: no such call yet)."""
         self.depth = 0
         self._handles: list[Any] = []
 
@@ -41,8 +67,7 @@ class StepStart:
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if self.depth == 0 and torch.is_grad_enabled():
-            trim()
-            self.baseline = self.memory.current()
+            self.held = held_now(self.memory)
         self.depth += 1
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:

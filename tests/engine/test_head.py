@@ -264,15 +264,22 @@ def test_the_chunked_head_makes_every_tensor_on_the_logits_device() -> None:
     assert len(list(folder.rglob("*.py"))) >= 3 and not undeviced, undeviced
 
 
+_ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m cuda on a GPU)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _ON_CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape,vocab", [((2, 64, 48), 3001), ((96, 48), 517), ((2, 3, 5, 48), 64), ((1, 1, 48), 8)])
-def test_the_head_backward_without_its_forward_gives_autograds_gradients_bitwise(dtype, shape, vocab) -> None:
+def test_the_head_backward_without_its_forward_gives_autograds_gradients_bitwise(dtype, shape, vocab, device) -> None:
     """The trainable exact head's backward runs the two matmuls autograd runs for ``F.linear``
-    (no logits-sized output computed again): bitwise equal to autograd on ``F.linear``; a bias or
-    a non-contiguous input takes autograd's own path."""
+    (no logits-sized output computed again): bitwise equal to autograd on ``F.linear``, on the CPU
+    and on CUDA (cuBLAS picks its kernels by the same shapes and strides); a bias or a
+    non-contiguous input takes autograd's own path."""
     torch.manual_seed(0)
-    hidden, weight = torch.randn(*shape, dtype=dtype), torch.randn(vocab, shape[-1], dtype=dtype)
-    grad = torch.randn(*shape[:-1], vocab, dtype=dtype)
+    hidden = torch.randn(*shape, dtype=dtype, device=device)
+    weight = torch.randn(vocab, shape[-1], dtype=dtype, device=device)
+    grad = torch.randn(*shape[:-1], vocab, dtype=dtype, device=device)
     for needs in [(True, True, False), (False, True, False), (True, False, False)]:
         fast = projection._linear_backward(hidden, weight, None, grad, needs)
         slow = projection._linear_backward_by_autograd(hidden, weight, None, grad, needs)
@@ -282,9 +289,9 @@ def test_the_head_backward_without_its_forward_gives_autograds_gradients_bitwise
     original = projection._linear_backward_by_autograd
     try:
         projection._linear_backward_by_autograd = lambda *args: calls.append(1) or original(*args)
-        bias = torch.randn(vocab, dtype=dtype)
+        bias = torch.randn(vocab, dtype=dtype, device=device)
         projection._linear_backward(hidden, weight, bias, grad, (True, True, True))
-        strided = torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]  # the same shape, not contiguous
+        strided = torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype, device=device)[..., ::2]  # not contiguous
         projection._linear_backward(strided, weight, None, grad, (True, True, False))
     finally:
         projection._linear_backward_by_autograd = original
