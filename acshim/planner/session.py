@@ -981,6 +981,10 @@ class PlanSession:
                                           self._baseline or _fresh_baseline(memory), plan.budget)
                 self._profiler = profiler
                 reserve = math.ceil(self._script_part / (1 - HEADROOM))  # the script's own loss (_solve)
+                # what the allocators keep free is not held besides: on a GPU the caching allocator
+                # still reserved the last step's activations (1.29 GiB read as held on an H200,
+                # where the step held its 420 MiB of gradients and 180 MiB more)
+                trim()
                 with profiler:
                     found = solve_within(profile, plan.budget - reserve,
                                          lambda candidate: profiler.verify(candidate.choices, candidate.outside,
