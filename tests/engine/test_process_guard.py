@@ -9,6 +9,7 @@ import gc
 import pytest
 import torch
 
+from acshim.allocator import own
 from acshim.planner.process import Guard, OverBudget, ProcessMemory, trim
 
 MIB = 2**20
@@ -17,6 +18,12 @@ pytestmark = pytest.mark.skipif(not ProcessMemory("cpu").available, reason="need
 
 
 def _guard(room: int) -> Guard:
+    """A guard as planning runs it: the C allocator owned (``acshim.allocator``: large tensors mapped
+    fresh, not served from freed heap pages that are resident already, which a worker that never
+    planned before still had: the CI run of 2026-11-27 saw a 16 MiB output as 224 KiB) and the heap
+    trimmed before the baseline."""
+    own()
+    trim()
     memory = ProcessMemory("cpu")
     baseline = memory.current()
     return Guard(memory, baseline, limit=room)
