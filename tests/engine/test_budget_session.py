@@ -22,15 +22,6 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture
-def session_cleanup():
-    sessions: list[PlanSession] = []
-    yield sessions
-    for session in sessions:
-        session.stop()
-    assert region.ROUTERS == []
-
-
 @pytest.mark.parametrize("budget", [0.45])
 def test_plan_replaces_the_scripts_recompute_gradients_bitwise_and_peak_within_budget(budget, session_cleanup) -> None:
     expected = train_step(_model(), _ids(), seed=5)  # no checkpointing: no region, nothing routed

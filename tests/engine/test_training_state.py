@@ -11,7 +11,6 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import acshim
-from acshim import region
 from acshim.planner.session import PlanSession
 from acshim.planner.training_state import OptimizerWatch, training_state
 from acshim.testing import GPT, seeded
@@ -66,15 +65,6 @@ def test_an_unseen_optimizer_is_not_kept_alive_by_the_watch() -> None:
         assert gone() is None and watch.optimizers() == []
     finally:
         watch.stop()
-
-
-@pytest.fixture
-def session_cleanup():
-    sessions: list[PlanSession] = []
-    yield sessions
-    for session in sessions:
-        session.stop()
-    assert region.ROUTERS == []
 
 
 def _model() -> GPT:
