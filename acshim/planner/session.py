@@ -975,12 +975,12 @@ class PlanSession:
         memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
         snapshot = ModelSnapshot(root)
         sessions = self._shared
+        reserve = math.ceil(self._script_part / (1 - HEADROOM))  # the script's own loss (_solve)
         try:
             with _counters_paused(), parameters_aliased(root):
                 profiler = RegionProfiler(self, root, args, kwargs or {}, self.loss_fn, memory,
                                           self._baseline or _fresh_baseline(memory), plan.budget)
                 self._profiler = profiler
-                reserve = math.ceil(self._script_part / (1 - HEADROOM))  # the script's own loss (_solve)
                 # what the allocators keep free is not held besides: on a GPU the caching allocator
                 # still reserved the last step's activations (1.29 GiB read as held on an H200,
                 # where the step held its 420 MiB of gradients and 180 MiB more)
@@ -1022,7 +1022,8 @@ class PlanSession:
             if changed:
                 outcome = f"now {self.summary(brief=True)}"
             elif refused is not None:
-                least = (f"; the least budget that plans it: {format_bytes(refused.suggested)}"
+                # solved within the budget less the script's loss: the budget to pass has it back
+                least = (f"; the least budget that plans it: {format_bytes(refused.suggested + reserve)}"
                          if isinstance(refused, BudgetTooSmall) and refused.suggested else "")
                 outcome = f"kept the plan, as none was found within the budget ({refused}){least}"
             else:

@@ -344,3 +344,33 @@ def test_a_plan_slower_than_predicted_is_solved_again_with_measured_costs(sessio
     assert any("re-solved after planning" in note for note in session.plan.notes)
     assert slow.log  # the slow link really carried the copies
     assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
+
+
+def test_a_re_solve_that_fits_no_plan_names_the_budget_with_the_scripts_loss_back(session_cleanup, monkeypatch,
+                                                                                  capsys) -> None:
+    """A re-solve is solved within the budget less the script's own loss (charged after the planning
+    step): where no plan fits, the least budget it names is the solver's plus that loss, the budget
+    to pass; the plan in force is kept."""
+    from acshim.planner import session as session_module
+    from acshim.planner.budget import format_bytes
+    from acshim.planner.plan import HEADROOM
+    from acshim.planner.solver import BudgetTooSmall
+
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession(1.0, memory="tensors").start()
+    session_cleanup.append(session)
+    train_step(model, _ids(), seed=5)
+    plan = session.plan
+    session._script_part = 3 << 20
+    least = 20 << 20
+
+    def nothing_fits(profile, budget, measure, **kwargs):
+        raise BudgetTooSmall(budget, least, 0, profile)
+
+    monkeypatch.setattr(session_module, "solve_within", nothing_fits)
+    assert not session.resolve(plan.profile, "a test's reason", (_ids(),), {})
+    err = capsys.readouterr().err
+    named = int(least * (1 + BudgetTooSmall.MARGIN)) + -(-(3 << 20) // (1 - HEADROOM))
+    assert f"the least budget that plans it: {format_bytes(int(named))}" in err, err
+    assert session.plan is plan
