@@ -101,6 +101,18 @@ class ProcessMemory:
             fields = os.pread(self._fd, 128, 0).split()
         return (int(fields[1]) - int(fields[2])) * _PAGE  # resident less file-backed (see the module docstring)
 
+    def file_backed(self) -> int:
+        """Bytes of file-backed (and shared) pages resident on CPU (``statm``'s shared field): library
+        code paged in on an operator's first use, files mapped. ``current()`` leaves them out; a step
+        that pages code in after its start holds them for the rest of the run, and ``VmHWM`` counts
+        them (the session charges that growth once, ``PlanSession._paged_in``). 0 on a CUDA device
+        and where statm cannot be read."""
+        if not self.available or self.device.type != "cpu" or self._fd is None:
+            return 0
+        with self._lock:
+            fields = os.pread(self._fd, 128, 0).split()
+        return int(fields[2]) * _PAGE
+
     def reusable(self) -> int:
         """Bytes new tensors can take without raising ``current()``: on a CUDA device, the blocks the
         caching allocator has reserved and tensors do not hold (an upper bound: a block too small
@@ -155,10 +167,15 @@ class Guard(TorchDispatchMode):
     they run: they may add nothing, and the sample after them sees what they did add. ``what``
     names the measurement for the error (``open_window``); ``limit=None`` only records."""
 
-    def __init__(self, memory: ProcessMemory, baseline: int, limit: int | Callable[[], int] | None = None) -> None:
+    def __init__(self, memory: ProcessMemory, baseline: int, limit: int | Callable[[], int] | None = None,
+                 file_baseline: int | None = None) -> None:
         super().__init__()
         self.memory, self.baseline, self.limit = memory, baseline, limit
         """Bytes, or a function giving them at each check (a limit that grows with what is learnt)."""
+        self.file_baseline = file_baseline
+        """File-backed pages resident at the step's start (``ProcessMemory.file_backed``), or None:
+        code paged in since counts against the limit (``VmHWM`` counts it), never as a measurement's
+        own bytes (``used``, ``peak``: it is charged once, by the session)."""
         self.peak = 0
         self.what = "planning"
         self.window_peak = 0
@@ -184,7 +201,11 @@ class Guard(TorchDispatchMode):
         return used
 
     def current_limit(self) -> int | None:
-        return self.limit() if callable(self.limit) else self.limit
+        """The limit on ``used()``: the budget's, less the code paged in since the step's start."""
+        limit = self.limit() if callable(self.limit) else self.limit
+        if limit is None or self.file_baseline is None:
+            return limit
+        return limit - max(0, self.memory.file_backed() - self.file_baseline)
 
     def open_window(self, what: str) -> None:
         """Start a measurement named ``what``: free heap memory goes back to the system (with glibc's

@@ -54,7 +54,7 @@ from .choices import (
 )
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
-from .planning_loss import planning_loss
+from .planning_loss import planning_loss, script_loss_allowance
 from .process import Guard, OverBudget, ProcessMemory, trim
 from .profile import (
     INFEASIBLE,
@@ -121,15 +121,22 @@ class RegionProfiler:
 
     def __init__(self, session: PlanningContext, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  loss_fn: Callable[[Any], torch.Tensor] | None, memory: ProcessMemory, baseline: int,
-                 limit: int | None) -> None:
+                 limit: int | None, file_baseline: int | None = None) -> None:
         # Measurements run forward and backward many times: on the script's own inputs their
         # backwards would reach the leaves those inputs come from (an input that requires grad, the
         # tensor a pipeline stage received) and add into their .grad, which the script then reads.
         args, kwargs = detached_inputs((args, kwargs))
         self.session, self.root, self.args, self.kwargs = session, root, args, kwargs
         self.loss_fn = loss_fn
+        self.script_loss: int | None = None
+        """What the script's own loss is charged until measured (``script_loss_allowance``), from
+        the first step run here; None before it, or with a ``loss_fn``."""
         self.memory = memory
-        self.guard = Guard(memory, baseline, None if limit is None else _guard_limit(limit))
+        self.guard = Guard(memory, baseline, None if limit is None else _guard_limit(limit),
+                           None if limit is None else file_baseline)
+        self.file_baseline = file_baseline
+        """Where the guard counts code paged in from once the budget is known (``set_limit``); the
+        counting step's lower bounds are of tensors alone, and leave it out."""
         self.times = OpTimes()
         self.copies = Copies()
         self.saved: SavedBytes | None = None
@@ -171,8 +178,12 @@ class RegionProfiler:
         if self._froze:
             gc.unfreeze()
 
-    def set_limit(self, limit: int) -> None:
+    def set_limit(self, limit: int, bound: bool = False) -> None:
+        """Stop measurements at ``limit`` (less the guard's margin, and the code paged in since the
+        step's start), or with ``bound`` at a lower bound of the budget in tensors' bytes (the
+        counting step's, before the budget is known: code paged in is not part of it)."""
         self.guard.limit = _guard_limit(limit)
+        self.guard.file_baseline = None if bound else self.file_baseline
 
     def used(self) -> int:
         """The process's memory above the step's start now (0 where it cannot be read)."""
@@ -193,6 +204,8 @@ class RegionProfiler:
         """One step of the model on the interrupted step's inputs."""
         self.session.position = 0
         output = self.root(*self.args, **self.kwargs)
+        if self.loss_fn is None and self.script_loss is None:
+            self.script_loss = script_loss_allowance(output, self.args, self.kwargs)
         loss = self.loss_fn(output) if self.loss_fn is not None else planning_loss(output, self.args, self.kwargs)
         del output
         if tracker is not None:

@@ -33,7 +33,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,7 +85,7 @@ from .sites import (
 from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak, unit_of
 from .steps import StepStart, device_key, held_now
-from .training_state import OptimizerWatch, TrainingState, training_state
+from .training_state import OptimizerWatch, TrainingState, foreseen_optimizer_state, training_state
 from .warmup import warm_up
 
 METHOD = ("measured on the script's first step under a guard on the process's memory: one forward counted what "
@@ -179,6 +179,8 @@ class PlanSession:
     _script_window: ScriptLossWindow | None = None
     """Watches the script's own loss on the planning step (``script_loss``), until the next step."""
     _script_part: int = 0
+    _script_measured: bool = False
+    """Whether ``_script_part`` was measured; until then it is ``script_loss_allowance``'s charge."""
     """Bytes the script's own loss and its backward need beyond the planning loss's, charged to
     every plan solved after it was measured (``_charge_script_part``)."""
     _watch: OptimizerWatch | None = None
@@ -188,6 +190,15 @@ class PlanSession:
     held them then, so the plan left room for them); a step that starts holding more than that
     beyond the plan's room is solved again first (``_charge_training_state``)."""
     _state_resolves: int = 0
+    _file_at_start: int | None = None
+    """File-backed pages resident when the first planned step started (``held_now``'s ``"file"``)."""
+    _paged_charged: int = 0
+    """Code paged in since then, as charged to the plan in force (``_paged_in``)."""
+    _foreseen: int = 0
+    _base_paged: int = 0
+    """Code paged in when a fractional budget was made bytes: no checkpointing's step pages it in too,
+    and ``VmHWM`` counts it, so it is part of the peak the fraction is of (``_fraction_in_bytes``)."""
+    """Optimizer state charged to the plan in force before it was made (``_foresee``)."""
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
@@ -504,9 +515,13 @@ class PlanSession:
         self._announce(self.plan)  # type: ignore[arg-type]
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
-        if (self.loss_fn is None and not self.api and self.pipeline is None and self.world == 1
-                and self._memory is not None and self._memory.available and self._memory.device.type == "cpu"):
-            self._script_window = ScriptLossWindow(root, self._memory)  # the script's loss, as it continues
+        if self._watches_script_loss():
+            self._script_window = ScriptLossWindow(root, self._memory)  # type: ignore[arg-type]
+
+    def _watches_script_loss(self) -> bool:
+        """Whether the planning step's own loss is measured as the script continues (``script_loss``)."""
+        return (self.loss_fn is None and not self.api and self.pipeline is None and self.world == 1
+                and self._memory is not None and self._memory.available and self._memory.device.type == "cpu")
 
     def _take_baseline(self, device: torch.device) -> None:
         """The budget's baseline: what the process held on the model's ``device`` when the first
@@ -525,6 +540,8 @@ class PlanSession:
             self._baseline = _fresh_baseline(self._memory)  # the device's allocator started inside the step
         if not self._resident_at_start:
             self._resident_at_start = _status_bytes("VmRSS")
+        if self._file_at_start is None and self._memory is not None:
+            self._file_at_start = held.get("file", ProcessMemory("cpu").file_backed() if self._memory.available else 0)
         self._rank = rank()
 
     def _plan_later(self, stage: PipelineStage) -> None:
@@ -629,6 +646,7 @@ class PlanSession:
         if self._baseline is None:
             self._baseline = _fresh_baseline(memory)
         baseline = self._baseline
+        self._foreseen = self._foresee(root)  # before the parameters are aliased: optimizers hold the real ones
         try:  # profiling never reaches the real parameters, nor (replayed) another pipeline stage
             with _counters_paused(), parameters_aliased(root), _replaying(self.pipeline):
                 self.plan = self._solve(root, args, kwargs, memory, baseline)
@@ -663,14 +681,15 @@ class PlanSession:
         self._drop_sites_data()
         self._planned_shapes = _largest(self._planned_shapes, shapes)
         self.plan.profile.inputs = shapes  # type: ignore[union-attr]
-        self._state_at_solve = training_state(root, self._watch)
+        self._state_at_solve = replace(training_state(root, self._watch), foreseen=self._foreseen)
 
     def _solve(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], memory: ProcessMemory,
                baseline: int) -> Plan:
         fraction = _fraction(self.budget)
         limit = self._budget_bytes if self._budget_bytes is not None else (
             None if fraction is not None else parse_budget(self.budget, 1))
-        profiler = RegionProfiler(self, root, args, kwargs, self.loss_fn, memory, baseline, limit)
+        profiler = RegionProfiler(self, root, args, kwargs, self.loss_fn, memory, baseline, limit,
+                                  self._guard_file_baseline())
         self._profiler = profiler
         try:
             with profiler:
@@ -679,14 +698,17 @@ class PlanSession:
                 guard = 1.0 if isinstance(self.budget, BetweenBudget) else fraction
                 profile = self.reuse if self.reuse is not None else self._profile(root, profiler, guard, limit)
                 fractional = limit is None and fraction is not None
+                if self.reuse is None:  # no checkpointing's peak has the code its step pages in (_base_paged)
+                    self._base_paged = self._paged_in()
                 if fractional:
-                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()), fraction)
+                    limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used(),
+                                                                 self._base_paged), fraction)
                 profiler.set_limit(limit)
                 if profiler.pending():
                     _measure_within_reach(profile, profiler, limit)
                     if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
-                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used()),
-                                                  fraction)
+                        limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used(),
+                                                                     self._base_paged), fraction)
                         profiler.set_limit(limit)
                 profiler.drop_copies()
 
@@ -698,30 +720,40 @@ class PlanSession:
                 if self._agreed():  # every rank solves the same numbers
                     overhead = agree_bytes(overhead, device_of(root))
                 # the script's own loss beyond the planning loss's (measured on the planning step): the
-                # verification runs the planning loss, so it is verified within the budget less it
-                reserve = math.ceil(self._script_part / (1 - HEADROOM)) if isinstance(limit, int) else 0
+                # verification runs the planning loss, so it is verified within the budget less it;
+                # and the code the step paged in, which the verification's reading leaves out
+                if not self._script_measured and self._watches_script_loss():
+                    self._script_part = profiler.script_loss or 0  # until the planning step measures it
+                paged, foreseen = self._paged_in(), self._foreseen
+                if self._agreed():
+                    paged, foreseen = agree_bytes(paged, device_of(root)), agree_bytes(foreseen, device_of(root))
+                self._foreseen = foreseen
+                charged = self._script_part + paged + foreseen
+                reserve = math.ceil(charged / (1 - HEADROOM)) if isinstance(limit, int) else 0
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
                                      GUARD_MARGIN)
                 try:
-                    result = solve_within(profile, limit - reserve if reserve else limit,
+                    result = solve_within(profile, max(1, limit - reserve) if reserve else limit,
                                           measure if self.verify else None, retries=self.retries, overhead=overhead)
                 except BudgetTooSmall as error:
+                    if reserve:
+                        error.args = (f"{format_bytes(limit)} less {format_bytes(reserve)} charged besides the "
+                                      f"measurement (below) leaves {error}",)
                     if least:  # the frontier's own start (plan.least_budget), not a guess
                         error.suggested = max(least + reserve, limit + 1)
                         error.why = _why_least(profile, overhead, least)
                         if reserve:
-                            error.why += (f"; and {format_bytes(self._script_part)} the script's own loss and its "
-                                          f"backward hold beyond the planner's loss (measured on the planning step), "
-                                          f"with the headroom: {format_bytes(least + reserve)}")
+                            error.why += f"; and {_charges(self._script_part, paged, foreseen)}, with the headroom: " \
+                                         f"{format_bytes(least + reserve)}"
                     elif error.suggested:
                         error.suggested += reserve
                     raise
                 result.least_budget = least + reserve if least else least
+                self._paged_charged = paged
+                result.reference_peak += self._base_paged
                 if reserve:
                     result.budget = limit
-                    result.overhead += self._script_part
-                    result.notes.append(f"{format_bytes(self._script_part)} charged for the script's own loss and its "
-                                        "backward beyond the planning loss's (measured on the planning step)")
+                    _charge(result, self._script_part, paged, foreseen)
         finally:
             self._profiler = None
             self.mode = Mode.IDLE if self.plan is None else Mode.PLANNED
@@ -761,7 +793,7 @@ class PlanSession:
         # 1. count what the model saves, capture the distinct regions' inputs
         try:
             if least:
-                profiler.set_limit(least)
+                profiler.set_limit(least, bound=True)
             profiler.count(fraction if limit is None and not least else None)
         except OverBudget as error:
             raise BudgetTooSmall.forward_alone(self.budget, error, self._fake_peak, profiler.used()) from None
@@ -918,13 +950,16 @@ class PlanSession:
                             ) -> None:
         """The planning step's own loss and backward held ``needed`` bytes above the forward's end
         (``script_loss``); beyond what the planning loss needed there (the profile's transient of the
-        part outside the regions), they are charged once: the plan is solved again (its measured
+        part outside the regions), they are charged once: where they differ from what was charged
+        before they were measured (``script_loss_allowance``), the plan is solved again (its measured
         profile reused) within the budget less them, and verified, before this step runs."""
         plan = self.plan
         assert plan is not None
         own = plan.profile.other(plan.outside)[1] if plan.outside in plan.profile.outside_choices() else 0
-        extra = needed - own
-        if extra <= max(unit_of(plan.profile), plan.budget // 100):  # within what a measurement resolves
+        resolution = max(unit_of(plan.profile), plan.budget // 100)  # what a measurement resolves
+        extra = needed - own if needed - own > resolution else 0
+        charged, self._script_measured = self._script_part, True
+        if abs(extra - charged) <= resolution:
             return
         self._script_part = extra
         self.reuse = plan.profile
@@ -937,7 +972,8 @@ class PlanSession:
         if rank() == 0:
             print(f"acshim: --budget {format_bytes(found.budget)}: the script's own loss and its backward held "
                   f"{format_bytes(needed)} above the model's forward end, {format_bytes(extra)} more than the "
-                  f"planner's loss: charged, solved again: {self.summary(brief=True)}", file=sys.stderr, flush=True)
+                  f"planner's loss{f' ({format_bytes(charged)} charged before it was measured)' if charged else ''}: "
+                  f"charged, solved again: {self.summary(brief=True)}", file=sys.stderr, flush=True)
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
 
@@ -952,15 +988,44 @@ class PlanSession:
                 or self.memory != "process" or self._state_resolves >= MAX_STATE_RESOLVES):
             return
         now = training_state(root, self._watch)
-        grown = now.total - before.total
+        paged = max(0, self._paged_in() - self._paged_charged)
+        grown = now.total - before.total + paged
         predicted = max(plan.peak + plan.overhead, plan.measured_process_peak or 0)
-        if grown <= 0 or predicted + grown <= int(plan.budget * (1 - HEADROOM)):
-            return
+        if grown <= max(unit_of(plan.profile), plan.budget // 100) or predicted + grown <= int(plan.budget * (1 - HEADROOM)):
+            return  # within what a measurement resolves, or within the room the plan left
         self._state_resolves += 1
-        why = (f"this step started holding {now.describe()} for the model, {format_bytes(grown)} more than when the "
-               f"plan was solved (a first step makes them; predicted with them: {format_bytes(predicted + grown)})")
+        held = [f"holding {now.describe()} for the model"] if now.total else []
+        if paged:
+            held.append(f"with {format_bytes(paged)} more code paged in")
+        why = (f"this step started {' and '.join(held)}, {format_bytes(grown)} more than when the plan was solved "
+               f"(a first step makes them; predicted with them: {format_bytes(predicted + grown)})")
         self.resolve(plan.profile, why, args, kwargs)
         self._state_at_solve = now  # refused too: not tried again for what it could not fit
+        self._paged_charged = self._paged_in()
+
+    def _foresee(self, root: nn.Module) -> int:
+        """The optimizer state a first ``step()`` will make for ``root``'s parameters (charged to the
+        plan ahead of it: ``training_state.foreseen_optimizer_state``); 0 for tensor budgets and
+        pipeline stages."""
+        if self.memory != "process" or self.pipeline is not None:
+            return 0
+        return foreseen_optimizer_state(root)
+
+    def _guard_file_baseline(self) -> int | None:
+        """What the guards count code paged in from (``Guard.file_baseline``), where it is charged."""
+        memory = self._memory
+        if (memory is None or not memory.available or memory.device.type != "cpu" or self.pipeline is not None
+                or self._file_at_start is None):
+            return None
+        return self._file_at_start
+
+    def _paged_in(self) -> int:
+        """File-backed pages (library code, mapped files) the process paged in since the first
+        planned step started: the verification's reading (anonymous memory) leaves them out, and
+        they stay resident for the rest of the run, where ``VmHWM`` counts them (0 on a GPU, for
+        tensor budgets and for pipeline stages, whose budget is checked by ``VmHWM`` already)."""
+        start = self._guard_file_baseline()
+        return 0 if start is None else max(0, self._memory.file_backed() - start)  # type: ignore[union-attr]
 
     def resolve(self, profile: Profile, why: str, args: tuple[Any, ...] | None = None,
                 kwargs: dict[str, Any] | None = None) -> bool:
@@ -975,25 +1040,33 @@ class PlanSession:
         memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")
         snapshot = ModelSnapshot(root)
         sessions = self._shared
-        reserve = math.ceil(self._script_part / (1 - HEADROOM))  # the script's own loss (_solve)
+        foreseen = self._foresee(root)
+        paged = self._paged_in()  # the script's own loss, code paged in, state to come (_solve)
+        reserve = math.ceil((self._script_part + paged + foreseen) / (1 - HEADROOM))
         try:
             with _counters_paused(), parameters_aliased(root):
                 profiler = RegionProfiler(self, root, args, kwargs or {}, self.loss_fn, memory,
-                                          self._baseline or _fresh_baseline(memory), plan.budget)
+                                          self._baseline or _fresh_baseline(memory), plan.budget,
+                                          self._guard_file_baseline())
                 self._profiler = profiler
                 # what the allocators keep free is not held besides: on a GPU the caching allocator
                 # still reserved the last step's activations (1.29 GiB read as held on an H200,
                 # where the step held its 420 MiB of gradients and 180 MiB more)
                 trim()
                 with profiler:
-                    found = solve_within(profile, plan.budget - reserve,
+                    found = solve_within(profile, max(1, plan.budget - reserve),
                                          lambda candidate: profiler.verify(candidate.choices, candidate.outside,
                                                                             candidate.in_flight),
                                          retries=self.retries, overhead=profiler.used(), skip=(plan.choices, plan.outside))
+                found.reference_peak += self._base_paged
                 if reserve:
-                    found.budget, found.overhead = plan.budget, found.overhead + self._script_part
+                    found.budget = plan.budget
+                    _charge(found, self._script_part, paged, foreseen)
         except (BudgetTooSmall, ValueError) as error:
             found, refused = None, error
+            if reserve and isinstance(error, BudgetTooSmall):
+                error.args = (f"{format_bytes(plan.budget)} less {format_bytes(reserve)} charged besides the "
+                              f"measurement ({_charges(self._script_part, paged, foreseen)}) leaves {error}",)
         else:
             refused = None
         finally:
@@ -1017,7 +1090,9 @@ class PlanSession:
             if found is not None:  # the same plan: its prediction now with what is held besides now
                 plan.overhead = found.overhead
         if found is not None:  # what the plan in force was solved with
-            self._state_at_solve = training_state(root, self._watch)
+            self._foreseen = foreseen
+            self._state_at_solve = replace(training_state(root, self._watch), foreseen=foreseen)
+            self._paged_charged = paged
         if rank() == 0 and not self.api:
             if changed:
                 outcome = f"now {self.summary(brief=True)}"
@@ -1046,8 +1121,9 @@ class PlanSession:
         # peak and what the process held besides when the plan was solved (room the solver left for).
         predicted = format_bytes(plan.peak + plan.overhead)
         if plan.overhead:
+            charged = next((note.removeprefix("charged: ") for note in plan.notes if note.startswith("charged: ")), "")
             predicted += (f" ({format_bytes(plan.peak)} activations + {format_bytes(plan.overhead)} "
-                          "held besides)")
+                          f"held besides{'; of which charged: ' + charged if charged else ''})")
         tail = (f"predicted peak {predicted}, measured {format_bytes(measured or 0)} ({seen}){ratio}"
                 if measured is not None else f"predicted peak {predicted}")
         if self._from_file:
@@ -1144,6 +1220,31 @@ def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int
     profile.unmeasured = sorted(profiler.pending())
 
 
+def _charges(script_part: int, paged: int, foreseen: int = 0) -> str:
+    """What a plan is charged besides its measurement, in words."""
+    parts = []
+    if script_part:
+        parts.append(f"{format_bytes(script_part)} for the script's own loss and its backward beyond the planner's "
+                     "loss (measured on the planning step; until then, twice the model's output)")
+    if paged:
+        parts.append(f"{format_bytes(paged)} of code the step paged in (file-backed pages, resident from then on)")
+    if foreseen:
+        parts.append(f"{format_bytes(foreseen)} of optimizer state its first step() will make")
+    return " and ".join(parts)
+
+
+def _charge(plan: Plan, script_part: int, paged: int, foreseen: int = 0) -> None:
+    """Add what is charged besides the verification's measurement to ``plan``'s whole-step
+    prediction, and to its measured peak the code paged in (resident while it was verified, but not
+    in the anonymous memory it read) and the optimizer state foreseen (the verified step had none:
+    the whole step as the script's later steps hold it)."""
+    plan.overhead += script_part + paged + foreseen
+    if plan.measured_process_peak is not None:
+        plan.measured_process_peak += paged + foreseen
+    if script_part or paged or foreseen:
+        plan.notes.append(f"charged: {_charges(script_part, paged, foreseen)}")
+
+
 def _why_least(profile: Profile, overhead: int, least: int) -> str:
     """Why ``least`` (``plan.least_budget``) plans: what it is made of."""
     return (f"the least peak the planner predicts, {format_bytes(minimum_peak(profile))}, plus "
@@ -1152,16 +1253,18 @@ def _why_least(profile: Profile, overhead: int, least: int) -> str:
             f"{format_bytes(least)}")
 
 
-def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0) -> int:
+def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0, paged: int = 0) -> int:
     """A fractional budget in bytes: that share of no checkpointing's peak as the profile estimates it
     (a ``BetweenBudget``: that share of the way from full recompute's predicted peak to it, plus
     ``overhead``, what the process holds besides the activations: torch's budget counts activations
-    only, and full recompute, its 0.0, must stay reachable)."""
+    only, and full recompute, its 0.0, must stay reachable). A plain fraction is of that peak with the
+    ``paged`` bytes of code and mapped files the step paged in: ``VmHWM`` counts them, with
+    checkpointing and without."""
     none = reference(profile)[0] or profile.recompute_step.get("peak", 0)
     if isinstance(budget, BetweenBudget):
         full = rounded_peak(profile, profile.uniform("recompute")) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
-    return parse_budget(budget, none)
+    return parse_budget(budget, none + paged)
 
 
 def _status_bytes(field: str) -> int:

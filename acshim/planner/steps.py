@@ -28,10 +28,11 @@ from .process import ProcessMemory, trim
 
 def held_now(memory: ProcessMemory) -> dict[str, int]:
     """What the process holds now, after giving back what its allocators keep free (``trim``):
-    ``memory``'s reading under ``"cpu"``, and the caching allocator's reserved bytes under
+    ``memory``'s reading under ``"cpu"``, its file-backed pages under ``"file"``
+    (``ProcessMemory.file_backed``), and the caching allocator's reserved bytes under
     ``"cuda:N"`` for every CUDA device it has started on (``device_key``)."""
     trim()
-    held = {"cpu": memory.current()}
+    held = {"cpu": memory.current(), "file": memory.file_backed()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for index in range(torch.cuda.device_count()):
             held[f"cuda:{index}"] = int(torch.cuda.memory_reserved(index))

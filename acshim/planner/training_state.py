@@ -14,11 +14,20 @@ Counting tensors (not the process's memory) makes the growth exact, free of the 
 and the same on CPU and GPU. Optimizers are found by the step they take: torch's global
 ``register_optimizer_step_post_hook`` (``torch/optim/optimizer.py``) notes every optimizer that
 steps while ``OptimizerWatch`` is installed.
+
+The first plan is solved before any optimizer has stepped, so the state a first ``step()`` will make
+is foreseen (``foreseen_optimizer_state``): the process's optimizers are found among the objects the
+garbage collector tracks, and for every parameter of the model they hold without state yet, the
+parameter-shaped tensors their class makes in ``_init_group`` (``STATE_PER_PARAMETER``) are charged
+to the first plan. An optimizer class not in that table is foreseen to make nothing; its state is
+charged when the step after its first ``step()`` starts (``PlanSession._charge_training_state``).
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +42,19 @@ class TrainingState:
 
     gradients: int = 0
     optimizer: int = 0
+    foreseen: int = 0
+    """Optimizer state not made yet, that the optimizers' first ``step()`` makes (charged ahead)."""
 
     @property
     def total(self) -> int:
-        return self.gradients + self.optimizer
+        return self.gradients + self.optimizer + self.foreseen
 
     def describe(self) -> str:
         parts = [f"{self.gradients / 2**20:.1f} MiB of gradients"] if self.gradients else []
         if self.optimizer:
             parts.append(f"{self.optimizer / 2**20:.1f} MiB of optimizer state")
+        if self.foreseen:
+            parts.append(f"{self.foreseen / 2**20:.1f} MiB of optimizer state foreseen")
         return " and ".join(parts) or "nothing"
 
 
@@ -96,3 +109,54 @@ def training_state(model: nn.Module, watch: OptimizerWatch | None = None) -> Tra
                 if isinstance(value, torch.Tensor) and not value.is_meta:
                     optimizer_bytes += new_bytes(value)
     return TrainingState(gradients, optimizer_bytes)
+
+
+def _adam(group: dict[str, Any]) -> int:
+    return 3 if group.get("amsgrad") else 2
+
+
+STATE_PER_PARAMETER: dict[str, Callable[[dict[str, Any]], int]] = {
+    # torch/optim/<name>.py, ``_init_group``: the parameter-shaped tensors a first step makes
+    "Adam": _adam,  # exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad); AdamW subclasses Adam
+    "AdamW": _adam,
+    "Adamax": lambda group: 2,  # exp_avg, exp_inf
+    "NAdam": lambda group: 2,  # exp_avg, exp_avg_sq
+    "RAdam": lambda group: 2,  # exp_avg, exp_avg_sq
+    "Adadelta": lambda group: 2,  # square_avg, acc_delta
+    "Rprop": lambda group: 2,  # prev, step_size
+    "ASGD": lambda group: 1,  # ax
+    "RMSprop": lambda group: 1 + bool(group.get("momentum")) + bool(group.get("centered")),
+    "SGD": lambda group: 1 if group.get("momentum") else 0,  # momentum_buffer
+    "Adagrad": lambda group: 0,  # its sum is made in __init__: held already
+}
+"""Parameter-shaped state tensors per parameter that each torch optimizer's first step makes, from
+its parameter group (the 0-dim ``step`` counters are left out)."""
+
+
+def foreseen_optimizer_state(model: nn.Module) -> int:
+    """Bytes of state the process's optimizers will make for ``model``'s parameters at their first
+    ``step()``: for each parameter an optimizer of a class in ``STATE_PER_PARAMETER`` (or a subclass)
+    holds and keeps no state for yet, that many tensors of the parameter's size. Optimizers are found
+    by one pass over the objects the garbage collector tracks (written by hand: torch keeps no
+    registry of optimizers, and its step hooks only run once one has stepped)."""
+    owned = {id(p): p for p in model.parameters()}
+    if not owned:
+        return 0
+    total = 0
+    counted: set[int] = set()
+    for candidate in gc.get_objects():
+        if not issubclass(type(candidate), torch.optim.Optimizer):  # type(): isinstance reads __class__, which
+            continue  # some module proxies answer with a deprecation warning
+        tensors = next((STATE_PER_PARAMETER[k.__name__] for k in type(candidate).__mro__
+                        if k.__name__ in STATE_PER_PARAMETER and k.__module__.startswith("torch.optim")), None)
+        if tensors is None:
+            continue
+        for group in candidate.param_groups:
+            per_parameter = tensors(group)
+            for parameter in group.get("params", ()):
+                if (id(parameter) not in owned or id(parameter) in counted or candidate.state.get(parameter)
+                        or not parameter.requires_grad):
+                    continue
+                counted.add(id(parameter))
+                total += per_parameter * parameter.numel() * parameter.element_size()
+    return total

@@ -448,7 +448,8 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
     plain = subprocess.run([sys.executable, str(script), "off", "plain.pt"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    planned = _acshim("run", "--budget", "0.7", str(script), "gc", "planned.pt", cwd=tmp_path,
+    # 0.9: the Trainer pages in ~34 MiB of code on its first step, charged to the plan (docs/planner.md)
+    planned = _acshim("run", "--budget", "0.9", str(script), "gc", "planned.pt", cwd=tmp_path,
                       env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert planned.returncode == 0, planned.stderr[-3000:]
     assert re.search(r"acshim: --budget .*replaced 4 region\(s\) \(4 hf: recompute\) by the plan", planned.stderr)

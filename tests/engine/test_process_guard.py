@@ -116,3 +116,29 @@ def test_a_measurement_starts_without_the_last_ones_cuda_cache(monkeypatch: pyte
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     trim()
     assert counters.emptied == 1                  # CUDA never started: nothing to give back
+
+
+def test_code_paged_in_counts_against_the_limit_and_never_as_a_measurements_bytes(tmp_path) -> None:
+    """File-backed pages (library code, mapped files) mapped since the step's start count against a
+    guard's limit when it has a ``file_baseline`` (``VmHWM`` counts them), and never in ``used``,
+    the bytes measurements are made of (the session charges them once)."""
+    import mmap
+    import os
+
+    memory = ProcessMemory("cpu")
+    if not memory.available:
+        pytest.skip("needs /proc/self/statm")
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    start = memory.file_backed()
+    counting = Guard(memory, memory.current(), 4 << 20, file_baseline=start)
+    blind = Guard(memory, memory.current(), 4 << 20)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        checksum = sum(mapped[offset] for offset in range(0, len(mapped), mmap.PAGESIZE))  # every page read
+        assert memory.file_backed() - start >= 7 << 20
+        assert counting.used() < 2 << 20 and counting.current_limit() < 0
+        with blind:
+            torch.ones(8).add_(1)
+        with pytest.raises(OverBudget), counting:
+            torch.ones(8).add_(checksum)
+    assert counting.peak < 2 << 20  # what it measured: anonymous memory only

@@ -12,7 +12,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import acshim
 from acshim.planner.session import PlanSession
-from acshim.planner.training_state import OptimizerWatch, training_state
+from acshim.planner.training_state import OptimizerWatch, foreseen_optimizer_state, training_state
 from acshim.testing import GPT, seeded
 
 
@@ -75,13 +75,10 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("room", ["fits", "over"])
-def test_a_step_starting_with_state_the_plan_has_no_room_for_is_solved_again_first(session_cleanup, monkeypatch,
-                                                                                  room) -> None:
-    """The step after the planning one starts holding the optimizer's state (AdamW: twice the
-    weights): solved again before it runs when the plan's prediction with it is over the budget
-    (less the verification's headroom), left alone when it still fits; never twice for the same
-    state, and gradients stay bitwise."""
+def _twins(session_cleanup, monkeypatch):
+    """A model planned by a 64 MiB session and its plain twin, each stepped by AdamW made before the
+    first step; the session's re-solves recorded (why, how many inputs), not run; and ``step(i)``,
+    one step of both on the same inputs and seed."""
     reference = _model()
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     model = _model()
@@ -91,13 +88,30 @@ def test_a_step_starting_with_state_the_plan_has_no_room_for_is_solved_again_fir
     session_cleanup.append(session)
     resolved: list[tuple[str, int]] = []
     monkeypatch.setattr(session, "resolve", lambda profile, why, args, kwargs: resolved.append((why, len(args))))
-    for step in range(3):
+
+    def step(index: int) -> None:
         for net, opt in ((reference, plain), (model, optimizer)):
-            torch.manual_seed(step)
+            torch.manual_seed(index)
             net(_ids()).float().mean().backward()
             opt.step()
             opt.zero_grad()
-        if step == 0:  # planned: put the plan's prediction next to the line the state crosses, or not
+
+    return (reference, plain), (model, optimizer), session, resolved, step
+
+
+@pytest.mark.parametrize("room", ["fits", "over"])
+def test_a_step_starting_with_state_the_plan_has_no_room_for_is_solved_again_first(session_cleanup, monkeypatch,
+                                                                                  room) -> None:
+    """The step after the planning one starts holding the optimizer's state (AdamW: twice the
+    weights): solved again before it runs when the plan's prediction with it is over the budget
+    (less the verification's headroom), left alone when it still fits; never twice for the same
+    state, and gradients stay bitwise."""
+    (reference, _), (model, _), session, resolved, step = _twins(session_cleanup, monkeypatch)
+    # an optimizer whose first step's state is not foreseen (a class outside STATE_PER_PARAMETER)
+    monkeypatch.setattr("acshim.planner.session.foreseen_optimizer_state", lambda model: 0)
+    for index in range(3):
+        step(index)
+        if index == 0:  # planned: put the plan's prediction next to the line the state crosses, or not
             plan = session.plan
             state = 2 * sum(p.numel() * 4 for p in model.parameters())
             accept = int(plan.budget * 0.97)
@@ -111,3 +125,55 @@ def test_a_step_starting_with_state_the_plan_has_no_room_for_is_solved_again_fir
     else:
         assert len(resolved) == 1 and resolved[0][1] == 1, resolved
         assert "optimizer state" in resolved[0][0] and "more than when the plan was solved" in resolved[0][0]
+
+
+def test_the_state_a_first_step_will_make_is_foreseen_per_optimizer_class() -> None:
+    """``foreseen_optimizer_state``: the parameter-shaped tensors each torch optimizer's first step
+    makes for the model's trainable parameters that it holds without state yet; tied weights once;
+    nothing for another model's parameters, frozen ones, a stepped optimizer or an unknown class."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
+    model[2].weight = model[0].weight
+    model[3].requires_grad_(False)
+    other = nn.Linear(8, 8)
+    trainable = _bytes(p for p in model.parameters() if p.requires_grad)
+    assert foreseen_optimizer_state(model) == 0  # no optimizer yet
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] + list(other.parameters()))
+    assert foreseen_optimizer_state(model) == 2 * trainable
+    del adamw
+    amsgrad = torch.optim.Adam(model[0].parameters(), amsgrad=True)
+    assert foreseen_optimizer_state(model) == 3 * _bytes(model[0].parameters())
+    del amsgrad
+    plain_sgd, momentum = torch.optim.SGD(model[0].parameters()), torch.optim.SGD([model[2].bias], momentum=0.9)
+    assert foreseen_optimizer_state(model) == _bytes([model[2].bias])  # a momentum buffer; plain SGD: none
+    del plain_sgd, momentum
+
+    class Lion(torch.optim.Optimizer):  # not torch's: nothing foreseen, charged once it has stepped
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    unknown = Lion(model.parameters())
+    assert foreseen_optimizer_state(model) == 0
+    del unknown
+    stepped = torch.optim.AdamW(model[0].parameters())
+    model(torch.ones(2, 16)).sum().backward()
+    stepped.step()
+    assert foreseen_optimizer_state(model) == 0  # its state exists: the process holds it
+
+
+def test_an_optimizer_made_before_planning_has_its_state_charged_to_the_first_plan(session_cleanup, monkeypatch
+                                                                                   ) -> None:
+    """AdamW made before the first step: the first plan is solved with its state foreseen (twice the
+    weights, named in the plan's notes, counted in the whole-step prediction), so the step that
+    starts holding it is not solved again; weights bitwise as without checkpointing."""
+    (reference, _), (model, _), session, resolved, step = _twins(session_cleanup, monkeypatch)
+    state = 2 * _bytes(model.parameters())
+    for index in range(3):
+        step(index)
+        if index == 0:
+            plan = session.plan
+            assert session._state_at_solve.foreseen == state, (session._state_at_solve, state)
+            assert any("of optimizer state its first step() will make" in note for note in plan.notes), plan.notes
+            assert plan.overhead >= state
+    assert resolved == []
+    weights = dict(model.named_parameters())
+    assert all(torch.equal(weights[name], value) for name, value in reference.named_parameters())
