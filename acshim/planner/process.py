@@ -5,12 +5,13 @@ the process's memory: on CPU its anonymous resident memory (``/proc/self/statm``
 file-backed pages), on a CUDA device the bytes its caching allocator has reserved
 (``torch.cuda.memory_reserved``; fragmentation counts, as it does for an out-of-memory error).
 Storage tier buffers, copies in flight, worker threads' stacks and heaps, Python objects and
-allocator slack are all in it, and none of them is a tensor storage. File-backed pages are left
-out: library code paged in on the first use of an operator, and weights a loader mapped from their
-file (``safetensors`` maps a frozen base model; a fine-tuning step pages 16 MiB of a tiny Llama in
-during its first forward). The system drops them under pressure and reads them back, they are the
-same with or without a plan, and a step measured the usual way (``VmHWM`` after a warm-up step,
-docs/measuring.md) has them in its baseline already.
+allocator slack are all in it, and none of them is a tensor storage. File-backed pages are not in
+that reading: library code paged in on the first use of an operator, and weights a loader mapped
+from their file (``safetensors`` maps a frozen base model; a fine-tuning step pages 16-41 MiB of a
+tiny Llama and code in during its first forward). They are the same with or without a plan, so no
+measurement of a choice is charged for them, but ``VmHWM`` counts them and they stay resident: what
+was paged in since the step's start (``file_backed``) counts against a guard's limit
+(``Guard.file_baseline``) and is charged once to the plan by the session.
 
 ``ProcessMemory`` reads that number cheaply (one ``pread`` of ``statm``); ``Guard`` samples it after
 every operator of the thread it is entered on and raises ``OverBudget`` as soon as the process is

@@ -179,10 +179,10 @@ class PlanSession:
     _script_window: ScriptLossWindow | None = None
     """Watches the script's own loss on the planning step (``script_loss``), until the next step."""
     _script_part: int = 0
-    _script_measured: bool = False
-    """Whether ``_script_part`` was measured; until then it is ``script_loss_allowance``'s charge."""
     """Bytes the script's own loss and its backward need beyond the planning loss's, charged to
     every plan solved after it was measured (``_charge_script_part``)."""
+    _script_measured: bool = False
+    """Whether ``_script_part`` was measured; until then it is ``script_loss_allowance``'s charge."""
     _watch: OptimizerWatch | None = None
     """Notes the optimizers that step while the script runs (``training_state``)."""
     _state_at_solve: TrainingState | None = None
@@ -195,10 +195,10 @@ class PlanSession:
     _paged_charged: int = 0
     """Code paged in since then, as charged to the plan in force (``_paged_in``)."""
     _foreseen: int = 0
-    _base_paged: int = 0
-    """Code paged in when a fractional budget was made bytes: no checkpointing's step pages it in too,
-    and ``VmHWM`` counts it, so it is part of the peak the fraction is of (``_fraction_in_bytes``)."""
     """Optimizer state charged to the plan in force before it was made (``_foresee``)."""
+    _base_paged: int = 0
+    """Code paged in when the first plan was profiled: no checkpointing's step pages it in too, and
+    ``VmHWM`` counts it, so it is part of the peak a fraction is of (``_fraction_in_bytes``)."""
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
