@@ -747,6 +747,9 @@ class PlanSession:
                                          f"{format_bytes(least + reserve)}"
                     elif error.suggested:
                         error.suggested += reserve
+                        if reserve:
+                            error.why = (f"{_charges(self._script_part, paged, foreseen)} charged besides: "
+                                         f"{format_bytes(reserve)} with the headroom")
                     raise
                 result.least_budget = least + reserve if least else least
                 self._paged_charged = paged
