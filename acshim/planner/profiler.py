@@ -444,6 +444,32 @@ class RegionProfiler:
                 del self._pending[key]
         self._estimate_seconds()
 
+    def measure_stopped(self, profile: Profile, limit: int) -> None:
+        """Measure into ``profile`` again, stopping at ``limit`` (a budget above the one that stopped
+        them), the parts of which no choice was measured within the budget: the part outside the
+        regions (its other choices, then kept) and each distinct region (every choice). A refusal's
+        last step, so that the least budget it names is the frontier's own (which plans), not a
+        multiple of how far a stopped measurement got; parts already measured one way keep their
+        measurements (the least plan uses their least choice)."""
+        self.set_limit(limit)
+        if not profile.outside_choices():
+            for part, found in sorted(profile.outside.items()):
+                if found["held"] >= INFEASIBLE and part not in self.pending_outside:
+                    profile.outside[part] = self.outside(part)
+        if not profile.outside_choices() and profile.other_held >= INFEASIBLE:
+            kept = self.outside("keep")
+            profile.other_held, profile.other_transient = int(kept["held"]), int(kept["transient"])
+            profile.other_seconds = kept["seconds"]
+        for key, (block, runs, site) in self._measured.items():
+            if site.captured is None or any(feasible(block, c) for c in block.held):
+                continue
+            own = [ASKED] if site.as_asked else [c for c in self._choices if c != ASKED]
+            left = self._pending.get(key, set())
+            for choice in sorted((c for c in own if c not in runs and c not in left), key=_memory_rank):
+                self._measure(key, choice)
+        self._estimate_seconds()
+        profile.stops = dict(self.stops)
+
     def optimistic(self, profile: Profile) -> Profile:
         """``profile`` with each pending choice at a lower bound of what measuring it could give
         (``DEFERRED``, ``OUTSIDE_BOUNDS``): a plan solved on it that uses no pending choice is the plan

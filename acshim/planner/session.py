@@ -67,7 +67,7 @@ from .picture import write_png as write_picture
 from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
 from .plan import HEADROOM, Plan, PlanFileMismatch, least_budget, load_plan_file, reference, solve_within
 from .process import OverBudget, ProcessMemory, check_memory_kind, trim
-from .profile import INFEASIBLE, Profile, input_shapes, model_signature
+from .profile import INFEASIBLE, Profile, feasible, input_shapes, model_signature
 from .profiler import GUARD_MARGIN, RegionProfiler, Verification, detached_inputs
 from .report import frontier_table
 from .routing import Mode
@@ -196,9 +196,12 @@ class PlanSession:
     """Code paged in since then, as charged to the plan in force (``_paged_in``)."""
     _foreseen: int = 0
     """Optimizer state charged to the plan in force before it was made (``_foresee``)."""
-    _base_paged: int = 0
-    """Code paged in when the first plan was profiled: no checkpointing's step pages it in too, and
-    ``VmHWM`` counts it, so it is part of the peak a fraction is of (``_fraction_in_bytes``)."""
+    _base_besides: int = 0
+    """What a step holds besides its activations, as the first plan was profiled: what the process
+    held above the step's start then, the code the step paged in, the optimizer state foreseen and the
+    script's own loss as charged. No checkpointing's step holds them too, and ``VmHWM`` counts them,
+    so they are part of the peak a fraction is of (``_fraction_in_bytes``), as they are of each plan's
+    predicted whole step (``Plan.overhead``)."""
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
@@ -698,19 +701,24 @@ class PlanSession:
                 guard = 1.0 if isinstance(self.budget, BetweenBudget) else fraction
                 profile = self.reuse if self.reuse is not None else self._profile(root, profiler, guard, limit)
                 fractional = limit is None and fraction is not None
-                if self.reuse is None:  # no checkpointing's peak has the code its step pages in (_base_paged)
-                    self._base_paged = self._paged_in()
+                if self.reuse is None:  # no checkpointing's whole step holds them too (_base_besides)
+                    self._base_besides = self._besides(root, profiler)
                 if fractional:
                     limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used(),
-                                                                 self._base_paged), fraction)
+                                                                 self._base_besides), fraction)
                 profiler.set_limit(limit)
                 if profiler.pending():
                     _measure_within_reach(profile, profiler, limit)
                     if fractional:  # no checkpointing's peak as estimated with them (plan files check it)
                         limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used(),
-                                                                     self._base_paged), fraction)
+                                                                     self._base_besides), fraction)
                         profiler.set_limit(limit)
-                profiler.drop_copies()
+                # a region no choice of which could be measured within the budget: no plan exists, and
+                # the refusal measures it within a larger budget (_measure_stopped) on its captured inputs
+                remeasure = (self.reuse is None and isinstance(limit, int) and not self._agreed()
+                             and any(not any(feasible(b, c) for c in b.held) for b in profile.blocks))
+                if not remeasure:
+                    profiler.drop_copies()
 
                 def measure(candidate: Plan) -> Verification:
                     found = profiler.verify(candidate.choices, candidate.outside, candidate.in_flight)
@@ -736,6 +744,9 @@ class PlanSession:
                     result = solve_within(profile, max(1, limit - reserve) if reserve else limit,
                                           measure if self.verify else None, retries=self.retries, overhead=overhead)
                 except BudgetTooSmall as error:
+                    if (not least and error.suggested and self.reuse is None and isinstance(limit, int)
+                            and not self._agreed()):
+                        least, overhead = self._measure_stopped(profile, profiler, error.suggested + reserve)
                     if reserve:
                         error.args = (f"{format_bytes(limit)} less {format_bytes(reserve)} charged besides the "
                                       f"measurement (below) leaves {error}",)
@@ -753,7 +764,7 @@ class PlanSession:
                     raise
                 result.least_budget = least + reserve if least else least
                 self._paged_charged = paged
-                result.reference_peak += self._base_paged
+                result.reference_peak += self._base_besides
                 if reserve:
                     result.budget = limit
                     _charge(result, self._script_part, paged, foreseen)
@@ -765,6 +776,27 @@ class PlanSession:
                                 f"{', '.join(result.profile.unmeasured)} (frontier() leaves them out)")
         self._budget_bytes = result.budget
         return result
+
+    def _besides(self, root: nn.Module, profiler: RegionProfiler) -> int:
+        """What the step holds besides its activations as it is profiled (``_base_besides``), the
+        same on every rank that plans with others."""
+        script = self._script_part if self._script_measured else (
+            (profiler.script_loss or 0) if self._watches_script_loss() else 0)
+        besides = profiler.used() + self._paged_in() + self._foreseen + script
+        return agree_bytes(besides, device_of(root)) if self._agreed() else besides
+
+    def _measure_stopped(self, profile: Profile, profiler: RegionProfiler, bound: int) -> tuple[int, int]:
+        """A refusal where some part could not be measured within the budget: measure what went over
+        within ``bound`` (the budget that stop suggests, ``solver.suggest_unmeasured``) and return the
+        frontier's least budget then (0 if a part is still unmeasurable) and what the process holds
+        besides once the regions' captured inputs are freed, so that the refusal names the least
+        budget that plans rather than that bound. The process goes over the budget it refuses while
+        doing so; it then ends (``acshim run``) or raises (``acshim.plan``). One process alone: ranks
+        planning together refuse with the bound."""
+        profiler.measure_stopped(profile, bound)
+        profiler.drop_copies()
+        overhead = profiler.used()
+        return least_budget(profile, overhead, profiler.needed_for, GUARD_MARGIN), overhead
 
     def _stage_share(self, limit: int, fraction: float | None) -> int:
         """A fractional budget on a pipeline stage: ``limit`` is that share of one microbatch's step
@@ -1061,7 +1093,7 @@ class PlanSession:
                                          lambda candidate: profiler.verify(candidate.choices, candidate.outside,
                                                                             candidate.in_flight),
                                          retries=self.retries, overhead=profiler.used(), skip=(plan.choices, plan.outside))
-                found.reference_peak += self._base_paged
+                found.reference_peak += self._base_besides
                 if reserve:
                     found.budget = plan.budget
                     _charge(found, self._script_part, paged, foreseen)
@@ -1256,18 +1288,18 @@ def _why_least(profile: Profile, overhead: int, least: int) -> str:
             f"{format_bytes(least)}")
 
 
-def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0, paged: int = 0) -> int:
+def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0, besides: int = 0) -> int:
     """A fractional budget in bytes: that share of no checkpointing's peak as the profile estimates it
     (a ``BetweenBudget``: that share of the way from full recompute's predicted peak to it, plus
     ``overhead``, what the process holds besides the activations: torch's budget counts activations
-    only, and full recompute, its 0.0, must stay reachable). A plain fraction is of that peak with the
-    ``paged`` bytes of code and mapped files the step paged in: ``VmHWM`` counts them, with
-    checkpointing and without."""
+    only, and full recompute, its 0.0, must stay reachable). A plain fraction is of that peak with
+    what the step holds ``besides`` its activations (``PlanSession._base_besides``): ``VmHWM`` counts
+    them, with checkpointing and without, and a plan's predicted whole step has them."""
     none = reference(profile)[0] or profile.recompute_step.get("peak", 0)
     if isinstance(budget, BetweenBudget):
         full = rounded_peak(profile, profile.uniform("recompute")) if "recompute" in profile.choices else 0
         return budget.between(full if full < INFEASIBLE else 0, int(none)) + overhead
-    return parse_budget(budget, none + paged)
+    return parse_budget(budget, none + besides)
 
 
 def _status_bytes(field: str) -> int:

@@ -468,8 +468,9 @@ this many times that (an LM head's logits are followed by the loss's copy of the
 
 
 def suggest_unmeasured(profile: Profile, budget: int) -> int:
-    """A budget to try when some part could not be measured within ``budget``: ``UNMEASURED`` times
-    what the process held when the part was stopped (a next attempt measures it and, if the budget
-    is still below the least achievable peak, names that exactly)."""
+    """A bound for what could not be measured within ``budget``: ``UNMEASURED`` times what the process
+    held when the part was stopped. A single process's refusal measures the part again within it and
+    names the frontier's least budget then (``PlanSession._measure_stopped``); ranks planning
+    together name the bound."""
     reached = max(profile.stops.values(), default=0)
     return max(budget + 1, UNMEASURED * reached)

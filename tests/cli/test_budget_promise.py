@@ -156,8 +156,14 @@ def test_budget_below_the_least_peak_names_what_dominates_and_its_suggestion_pla
                         r"needed was over [\d.]+ MiB", refused.stderr)
     assert (parts and re.search(r"is [\d.]+ MiB", parts.group(1))) or stopped, refused.stderr[-3000:]
     suggested = _suggestion(refused.stderr)
+    assert "the least peak the planner predicts" in refused.stderr, refused.stderr[-3000:]  # the frontier's
     result = _result(_run(tmp_path, HF_LOOP, "8x384x2", "256,256", budget=suggested))
-    assert all(peak <= result["budget"] * 1.02 for peak in result["peaks"]), result
+    # At the frontier's least budget, the planning step's measurements of choices the least plan does
+    # not use are stopped at the guard (1% below the budget), and a stopped operator's own scratch
+    # (GEMM packing buffers, freed before it returns) is seen by VmHWM only: 0.7% over idle, 2.4%
+    # with another test on the second core; the planned steps within 2%.
+    assert result["peaks"][0] <= result["budget"] * 1.03 and \
+        all(peak <= result["budget"] * 1.02 for peak in result["peaks"][1:]), result
 
 
 def test_the_same_plan_idle_and_with_a_core_kept_busy(tmp_path: Path) -> None:
