@@ -168,6 +168,9 @@ class PlanSession:
     _timer: StepTimer | None = None
     _from_file: bool = False
     _fake_peak: int = 0
+    _count_refusal: BudgetTooSmall | None = None
+    """The refusal the counting forward's stop would have given, where it was counted again within
+    what that refusal names (``_profile``); None where it was not stopped."""
     """No checkpointing's peak from one step on fake tensors (``estimate``), where it ran."""
     _lockstep: LockstepPlanner | None = None
     """A sharded model's planner on its real steps (``lockstep``)."""
@@ -713,10 +716,14 @@ class PlanSession:
                         limit = self._stage_share(_fraction_in_bytes(self.budget, profile, profiler.used(),
                                                                      self._base_besides), fraction)
                         profiler.set_limit(limit)
+                # the counting forward went over the budget (counted again within a larger bound): no
+                # plan may run, the planning step has held more than the budget
+                counted_over = (self._count_refusal is not None and isinstance(limit, int) and
+                                profiler.reached.get("count", 0) + self._paged_in() > limit * (1 - GUARD_MARGIN))
                 # a region no choice of which could be measured within the budget: no plan exists, and
                 # the refusal measures it within a larger budget (_measure_stopped) on its captured inputs
-                remeasure = (self.reuse is None and isinstance(limit, int) and not self._agreed()
-                             and any(not any(feasible(b, c) for c in b.held) for b in profile.blocks))
+                remeasure = counted_over or (isinstance(limit, int) and self._measures_for_refusals() and
+                                             any(not any(feasible(b, c) for c in b.held) for b in profile.blocks))
                 if not remeasure:
                     profiler.drop_copies()
 
@@ -741,11 +748,13 @@ class PlanSession:
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
                                      GUARD_MARGIN)
                 try:
+                    if counted_over:
+                        raise self._count_refusal  # type: ignore[misc]
                     result = solve_within(profile, max(1, limit - reserve) if reserve else limit,
                                           measure if self.verify else None, retries=self.retries, overhead=overhead)
                 except BudgetTooSmall as error:
-                    if (not least and error.suggested and self.reuse is None and isinstance(limit, int)
-                            and not self._agreed()):
+                    if ((not least or counted_over) and error.suggested and isinstance(limit, int)
+                            and self._measures_for_refusals()):
                         least, overhead = self._measure_stopped(profile, profiler, error.suggested + reserve)
                     if reserve:
                         error.args = (f"{format_bytes(limit)} less {format_bytes(reserve)} charged besides the "
@@ -784,6 +793,12 @@ class PlanSession:
             (profiler.script_loss or 0) if self._watches_script_loss() else 0)
         besides = profiler.used() + self._paged_in() + self._foreseen + script
         return agree_bytes(besides, device_of(root)) if self._agreed() else besides
+
+    def _measures_for_refusals(self) -> bool:
+        """Whether a refusal may measure beyond the budget to name the frontier's least budget: one
+        process planning alone, on a profile of its own (ranks planning together, whose measurements
+        run in lock-step, and pipeline stages refuse with the bound)."""
+        return self.reuse is None and not self._agreed() and self.pipeline is None
 
     def _measure_stopped(self, profile: Profile, profiler: RegionProfiler, bound: int) -> tuple[int, int]:
         """A refusal where some part could not be measured within the budget: measure what went over
@@ -826,12 +841,26 @@ class PlanSession:
                 least = int(fraction * max(fake.forward, FAKE_PEAK_SHARE * fake.peak))
                 self._fake_peak = fake.peak
         # 1. count what the model saves, capture the distinct regions' inputs
+        self._count_refusal = None
         try:
             if least:
                 profiler.set_limit(least, bound=True)
             profiler.count(fraction if limit is None and not least else None)
         except OverBudget as error:
-            raise BudgetTooSmall.forward_alone(self.budget, error, self._fake_peak, profiler.used()) from None
+            refusal = BudgetTooSmall.forward_alone(self.budget, error, self._fake_peak, profiler.used())
+            if not self._measures_for_refusals():
+                raise refusal from None
+            # Stopped at a lower bound of the budget (a fraction's, before no checkpointing's peak is
+            # measured) or at the budget, where offloading could still hold less than this forward:
+            # counted again within what the refusal would name and profiled; the solve refuses only
+            # if this forward went over the budget as it is then known (``_solve``), naming the
+            # frontier's least budget.
+            profiler.set_limit(refusal.suggested)
+            try:
+                profiler.count(None)
+            except OverBudget:
+                raise refusal from None
+            self._count_refusal = refusal
         if not self.sites:
             raise ValueError("the model's step ran no checkpointed region")
         counted = profiler.counted
@@ -1270,12 +1299,13 @@ def _charges(script_part: int, paged: int, foreseen: int = 0) -> str:
 
 def _charge(plan: Plan, script_part: int, paged: int, foreseen: int = 0) -> None:
     """Add what is charged besides the verification's measurement to ``plan``'s whole-step
-    prediction, and to its measured peak the code paged in (resident while it was verified, but not
-    in the anonymous memory it read) and the optimizer state foreseen (the verified step had none:
-    the whole step as the script's later steps hold it)."""
+    prediction, and to its measured peak: the code paged in (resident while it was verified, but not
+    in the anonymous memory it read), the optimizer state foreseen and the script's own loss beyond
+    the planning loss (the verified step had neither: the whole step as the script's later steps
+    hold it, so that the predicted and measured figures printed compare like with like)."""
     plan.overhead += script_part + paged + foreseen
     if plan.measured_process_peak is not None:
-        plan.measured_process_peak += paged + foreseen
+        plan.measured_process_peak += script_part + paged + foreseen
     if script_part or paged or foreseen:
         plan.notes.append(f"charged: {_charges(script_part, paged, foreseen)}")
 
