@@ -34,7 +34,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "ACSHIM_PATCH_CHILDREN=1 in the environment. Off by default."),
     Option("--budget", "plan instead of the script's recipe: B is the memory the process may hold above what it "
            "held when a step started (parameters, gradients), for the whole run, planning included: in bytes or "
-           "with a unit (2GiB, 800MB) or a fraction of the peak activation memory without checkpointing (0.3). "
+           "with a unit (2GiB, 800MB) or a fraction of the whole step's peak without checkpointing (0.3). "
            "The script's own checkpoint calls (any dialect) become regions the plan decides about (keep / "
            "selective / recompute / offload), planned on its first step; one line on stderr says what was "
            "replaced. See docs/cli.md.", "B"),

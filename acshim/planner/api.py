@@ -29,7 +29,8 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     activation memory, as fast as the measurements predict.
 
     ``budget``: bytes, a size string ("1.5GiB") or a fraction in (0, 1] of the step's peak without
-    checkpointing (predicted from the profile: the model never runs unchecked). It is memory the
+    checkpointing (predicted from the profile: the model never runs unchecked; its activations' peak
+    and what the step holds besides them, as each plan's prediction has them). It is memory the
     process has above what it holds when ``acshim.plan`` is called (parameters, gradients): its
     resident set on CPU, the caching allocator's reserved bytes on a GPU. Planning itself stays
     within it (measurements that would go over it are stopped, their choice left out).
