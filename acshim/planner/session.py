@@ -791,6 +791,7 @@ class PlanSession:
         same on every rank that plans with others."""
         script = self._script_part if self._script_measured else (
             (profiler.script_loss or 0) if self._watches_script_loss() else 0)
+        trim()  # not what the last measurement freed (a GPU's caching allocator keeps it reserved)
         besides = profiler.used() + self._paged_in() + self._foreseen + script
         return agree_bytes(besides, device_of(root)) if self._agreed() else besides
 
@@ -861,6 +862,10 @@ class PlanSession:
             except OverBudget:
                 raise refusal from None
             self._count_refusal = refusal
+            if limit is not None:  # what follows is measured within the budget again
+                profiler.set_limit(limit)
+            elif least:
+                profiler.set_limit(least, bound=True)
         if not self.sites:
             raise ValueError("the model's step ran no checkpointed region")
         counted = profiler.counted

@@ -201,3 +201,51 @@ def test_a_fraction_is_of_no_checkpointings_whole_step_with_what_it_holds_beside
     activations, state = reference(plan.profile)[0], 2 * _bytes(model.parameters())
     assert plan.reference_peak >= activations + state, (plan.reference_peak, activations, state)
     assert plan.budget == parse_budget(0.8, plan.reference_peak), (plan.budget, plan.reference_peak)
+
+
+def test_a_counting_forward_stopped_early_is_counted_again_and_the_plan_trains_bitwise(session_cleanup,
+                                                                                       monkeypatch) -> None:
+    """The counting forward stopped in its first region (as a fraction's lower bound can stop it
+    before no checkpointing's peak is known; here raised there, 20 MiB reported held, whatever the
+    process's heap holds from earlier tests) is counted again within the refusal's bound (3 times
+    that) and the model profiled as usual: where that forward fits the budget, the run plans, its
+    regions not counted twice, later measurements within the budget again, and the weights after
+    three AdamW steps equal the run's without checkpointing bitwise (the second forward's RNG draws
+    and state put back)."""
+    from acshim.planner.process import OverBudget
+    from acshim.planner.profiler import RegionProfiler
+
+    original, calls = RegionProfiler.count_region, []
+
+    def stopped_first(self, index, function, args, kwargs, site):
+        calls.append(index)
+        if len(calls) == 1:
+            raise OverBudget(20 << 20, 19 << 20, "one forward of the model, keeping nothing")
+        return original(self, index, function, args, kwargs, site)
+
+    monkeypatch.setattr(RegionProfiler, "count_region", stopped_first)
+
+    def bigger() -> GPT:  # activations above what the process's memory resolves
+        return seeded(lambda: GPT(layers=4, width=256, heads=4, seq=128, vocab=512))
+
+    reference, model = bigger(), bigger()
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    acshim.apply_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = PlanSession(140 << 20).start()  # below no checkpointing: recompute and selective-alt
+    session_cleanup.append(session)
+    for index in range(3):
+        for net, opt in ((reference, plain), (model, optimizer)):
+            torch.manual_seed(index)
+            net(torch.randint(0, 512, (8, 128), generator=torch.Generator().manual_seed(3))).float().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert calls == [0, 0, 1, 2, 3], calls
+    assert session.plan is not None and session._count_refusal is not None
+    assert any(choice != "keep" for choice in session.plan.choices), session.plan.choices  # regions recomputed
+    assert len(session.sites) == len(session.plan.choices) == 4, (session.sites, session.plan.choices)
+    # measured within the budget again after the second count, not within its bound (60 MiB)
+    stops = {what: size >> 20 for what, size in session.plan.profile.stops.items() if what.startswith("region")}
+    assert all(size > 100 for size in stops.values()), stops
+    weights = dict(model.named_parameters())
+    assert all(torch.equal(weights[name], value) for name, value in reference.named_parameters())
