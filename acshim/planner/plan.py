@@ -236,12 +236,13 @@ def reference(profile: Profile) -> tuple[int, float]:
 
 
 def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[str], str], int] | None = None,
-                 guard_margin: float = 0.0) -> int:
+                 guarded: Callable[[int], int] | None = None) -> int:
     """The least budget that plans, from the planner's own frontier: its least predicted peak
     (``minimum_peak``) plus ``overhead`` (what the process held besides when solving), over
     ``1 - HEADROOM`` (the verification's acceptance), and no less than the most any measurement the
-    least plan needs reached (``measured(choices, outside)``: ``RegionProfiler.needed_for``) over
-    ``1 - guard_margin`` (the guard stops that far below the budget); then ``BudgetTooSmall.MARGIN``
+    least plan needs reached (``measured(choices, outside)``: ``RegionProfiler.needed_for``) as
+    ``guarded`` makes it a budget (``process.guarded_budget``: the guard stops measurements below the
+    budget); then ``BudgetTooSmall.MARGIN``
     more, for what one measurement to the next varies. 0 where no plan was measured at all."""
     low = minimum_peak(profile)
     if low >= INFEASIBLE:
@@ -252,7 +253,8 @@ def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[s
         return 0
     need = math.ceil((low + overhead) / (1 - HEADROOM))
     if measured is not None:
-        need = max(need, math.ceil(measured(found.choices, found.outside) / (1 - guard_margin)))
+        reached = measured(found.choices, found.outside)
+        need = max(need, guarded(reached) if guarded is not None else reached)
     return math.ceil(need * (1 + BudgetTooSmall.MARGIN))
 
 

@@ -55,7 +55,7 @@ from .choices import (
 from .costs import OpTimes, RunTime, Stopwatch
 from .counting import OUTSIDE, SavedBytes
 from .planning_loss import planning_loss, script_loss_allowance
-from .process import Guard, OverBudget, ProcessMemory, trim
+from .process import Guard, OverBudget, ProcessMemory, guard_limit, release_stopped, trim
 from .profile import (
     INFEASIBLE,
     BlockProfile,
@@ -69,10 +69,6 @@ from .profile import (
 from .replay import Copies, replay_spec, spec_of
 from .routing import Mode, PlanningContext
 from .tracker import LiveBytes, excluded_keys, grad_keys
-
-GUARD_MARGIN = 0.01
-"""The guard stops a measurement at this share below the budget: room for what it cannot see,
-operators' own scratch memory freed before they return."""
 
 ORDER = (("recompute", "selective-alt", "selective", "keep"), ("offload", "recompute+offload"), (ASKED,))
 """Choices measured per region, in groups from least to most memory: once one goes over the budget,
@@ -132,7 +128,7 @@ class RegionProfiler:
         """What the script's own loss is charged until measured (``script_loss_allowance``), from
         the first step run here; None before it, or with a ``loss_fn``."""
         self.memory = memory
-        self.guard = Guard(memory, baseline, None if limit is None else _guard_limit(limit),
+        self.guard = Guard(memory, baseline, None if limit is None else guard_limit(limit),
                            None if limit is None else file_baseline)
         self.file_baseline = file_baseline
         """Where the guard counts code paged in from once the budget is known (``set_limit``); the
@@ -182,7 +178,7 @@ class RegionProfiler:
         """Stop measurements at ``limit`` (less the guard's margin, and the code paged in since the
         step's start), or with ``bound`` at a lower bound of the budget in tensors' bytes (the
         counting step's, before the budget is known: code paged in is not part of it)."""
-        self.guard.limit = _guard_limit(limit)
+        self.guard.limit = guard_limit(limit)
         self.guard.file_baseline = None if bound else self.file_baseline
 
     def used(self) -> int:
@@ -260,6 +256,7 @@ class RegionProfiler:
                 where = ("the part outside the blocks (embeddings, head, loss)" if owner == OUTSIDE
                          else f"region {owner}")
                 stopped = (error.used, error.operator, error.size, where)
+                release_stopped(error)
             finally:
                 self.saved = None
                 if chunked:
@@ -349,7 +346,8 @@ class RegionProfiler:
                 with Stopwatch() as watch:
                     self.step(tracker)
                 tracker.mark("end")
-        except OverBudget:
+        except OverBudget as error:
+            release_stopped(error)
             stopped = True
         finally:
             self.tracker = None
@@ -541,8 +539,8 @@ class RegionProfiler:
                                        flags, excluded_keys(self.root, (args, kwargs)),
                                        functools.partial(grad_keys, self.root),
                                        functools.partial(self.root.zero_grad, set_to_none=True), offload)
-        except OverBudget:
-            pass
+        except OverBudget as error:
+            release_stopped(error)
         finally:
             if found is None:
                 self.stops[f"region {site.name}"] = max(self.stops.get(f"region {site.name}", 0), self.guard.window_peak)
@@ -573,7 +571,8 @@ class RegionProfiler:
                     tracker.mark("end")
                 if self.memory.available:
                     self.guard.sample()
-            except OverBudget:
+            except OverBudget as error:
+                release_stopped(error)
                 stopped = True
             finally:
                 session.run_outside(self.root, "keep")
@@ -625,10 +624,6 @@ def detached_inputs(value: Any) -> Any:
 
 def _run_as(session: PlanningContext, site: Any, choice: str, *args: Any, **kwargs: Any) -> Any:
     return session.run_choice(site, choice, site.function, args, kwargs)
-
-
-def _guard_limit(budget: int) -> int:
-    return int(budget * (1 - GUARD_MARGIN))
 
 
 def _in_flight(site: Any) -> int:

@@ -66,9 +66,17 @@ from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
 from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
 from .plan import HEADROOM, Plan, PlanFileMismatch, least_budget, load_plan_file, reference, solve_within
-from .process import OverBudget, ProcessMemory, check_memory_kind, trim
+from .process import (
+    OverBudget,
+    ProcessMemory,
+    check_memory_kind,
+    guard_limit,
+    guarded_budget,
+    release_stopped,
+    trim,
+)
 from .profile import INFEASIBLE, Profile, feasible, input_shapes, model_signature
-from .profiler import GUARD_MARGIN, RegionProfiler, Verification, detached_inputs
+from .profiler import RegionProfiler, Verification, detached_inputs
 from .report import frontier_table
 from .routing import Mode
 from .script_loss import ScriptLossWindow
@@ -719,7 +727,7 @@ class PlanSession:
                 # the counting forward went over the budget (counted again within a larger bound): no
                 # plan may run, the planning step has held more than the budget
                 counted_over = (self._count_refusal is not None and isinstance(limit, int) and
-                                profiler.reached.get("count", 0) + self._paged_in() > limit * (1 - GUARD_MARGIN))
+                                profiler.reached.get("count", 0) + self._paged_in() > guard_limit(limit))
                 # a region no choice of which could be measured within the budget: no plan exists, and
                 # the refusal measures it within a larger budget (_measure_stopped) on its captured inputs
                 remeasure = counted_over or (isinstance(limit, int) and self._measures_for_refusals() and
@@ -746,7 +754,7 @@ class PlanSession:
                 charged = self._script_part + paged + foreseen
                 reserve = math.ceil(charged / (1 - HEADROOM)) if isinstance(limit, int) else 0
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
-                                     GUARD_MARGIN)
+                                     guarded_budget)
                 try:
                     if counted_over:
                         raise self._count_refusal  # type: ignore[misc]
@@ -812,7 +820,7 @@ class PlanSession:
         profiler.measure_stopped(profile, bound)
         profiler.drop_copies()
         overhead = profiler.used()
-        return least_budget(profile, overhead, profiler.needed_for, GUARD_MARGIN), overhead
+        return least_budget(profile, overhead, profiler.needed_for, guarded_budget), overhead
 
     def _stage_share(self, limit: int, fraction: float | None) -> int:
         """A fractional budget on a pipeline stage: ``limit`` is that share of one microbatch's step
@@ -849,6 +857,7 @@ class PlanSession:
             profiler.count(fraction if limit is None and not least else None)
         except OverBudget as error:
             refusal = BudgetTooSmall.forward_alone(self.budget, error, self._fake_peak, profiler.used())
+            release_stopped(error)
             if not self._measures_for_refusals():
                 raise refusal from None
             # Stopped at a lower bound of the budget (a fraction's, before no checkpointing's peak is
@@ -859,7 +868,8 @@ class PlanSession:
             profiler.set_limit(refusal.suggested)
             try:
                 profiler.count(None)
-            except OverBudget:
+            except OverBudget as error:
+                release_stopped(error)
                 raise refusal from None
             self._count_refusal = refusal
             if limit is not None:  # what follows is measured within the budget again

@@ -170,11 +170,12 @@ def test_budget_below_the_least_peak_names_what_dominates_and_its_suggestion_pla
         done = _run(tmp_path, HF_LOOP, "8x384x2", "256,256", budget=again)
     result = _result(done)
     # At the frontier's least budget, the planning step's measurements of choices the least plan does
-    # not use are stopped at the guard (1% below the budget), and a stopped operator's own scratch
-    # (GEMM packing buffers, freed before it returns) is seen by VmHWM only: 0.7% over idle, 2.4%
-    # with another test on the second core; the planned steps within 2%.
-    assert result["peaks"][0] <= result["budget"] * 1.03 and \
-        all(peak <= result["budget"] * 1.02 for peak in result["peaks"][1:]), result
+    # not use are stopped at the guard (5% below a budget this size), and what the guard cannot see
+    # before it is there (other threads' allocations, Python's object arenas) took them up to 3.1 MiB
+    # past it under load; with a 1% guard, and a stopped measurement's graph held on by its frames
+    # into the next measurement (``process.release_stopped``), the planning step peaked 5.2% and
+    # 6.2% over this budget in the clean-clone CI. Every step within 2%, the planning step included.
+    assert all(peak <= result["budget"] * 1.02 for peak in result["peaks"]), result
 
 
 def test_the_same_plan_idle_and_with_a_core_kept_busy(tmp_path: Path) -> None:

@@ -5,12 +5,21 @@ its arguments come in (single tensors, lists of tensors as ``torch.cat`` takes t
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
 
 from acshim.allocator import own
-from acshim.planner.process import Guard, OverBudget, ProcessMemory, trim
+from acshim.planner.process import (
+    Guard,
+    OverBudget,
+    ProcessMemory,
+    guard_limit,
+    guarded_budget,
+    release_stopped,
+    trim,
+)
 
 MIB = 2**20
 
@@ -142,3 +151,52 @@ def test_code_paged_in_counts_against_the_limit_and_never_as_a_measurements_byte
         with pytest.raises(OverBudget), counting:
             torch.ones(8).add_(checksum)
     assert counting.peak < 2 << 20  # what it measured: anonymous memory only
+
+
+def test_a_measurement_stopped_in_backward_frees_its_graph_however_long_its_traceback_lives() -> None:
+    """A stop raised inside autograd's engine: the unwound frames hold the step's loss, and with it
+    the graph and its saved tensors. Planning under ``acshim run --budget`` on HF GPT-2 saw those
+    frames outlive the caught exception with no Python object referring to them (held from C++), so
+    the next measurement started holding the stopped one's peak and was stopped at once. Here the
+    traceback is kept alive as that holder kept it: ``release_stopped`` frees the saved activation
+    anyway, and without it the activation stays."""
+    layer = torch.nn.Linear(256, 1024)
+    inputs = torch.randn(512, 256)
+    kept: dict[str, object] = {}
+
+    def step() -> None:
+        hidden = torch.nn.functional.gelu(layer(inputs))  # saved for backward: 2 MiB
+        kept["saved"] = weakref.ref(hidden)
+        loss = hidden.square().sum()
+        del hidden
+        loss.backward()
+
+    for release in (False, True):
+        with _guard(room=1024 * MIB) as guard:
+            guard.limit = lambda: 1024 * MIB if torch.is_grad_enabled() and not _in_backward() else 0
+            try:
+                step()
+            except OverBudget as error:
+                traceback_held = error.__traceback__  # what the engine kept
+                if release:
+                    release_stopped(error)
+            guard.limit = None
+        gc.collect()
+        assert (kept["saved"]() is None) == release, release
+        del traceback_held
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@pytest.mark.parametrize("needed", [1, 3 * MIB + 5, 40 * MIB, 76 * MIB - 1, 76 * MIB, 200 * MIB + 7, 396 * MIB,
+                                    397 * MIB, 3000 * MIB + 1])
+def test_guarded_budget_is_the_least_budget_whose_guard_lets_a_measurement_reach_it(needed: int) -> None:
+    """``least_budget`` turns what measurements reached into a budget with ``guarded_budget``: at it
+    the guard lets them through, one byte less it would not; the guard's margin is 5% of the budget,
+    at most 4 MiB, at least 1%."""
+    budget = guarded_budget(needed)
+    assert guard_limit(budget) >= needed > guard_limit(budget - 1)
+    margin = budget - guard_limit(budget)
+    assert max(0.01 * budget, min(0.05 * budget, 4 * MIB)) - 1 <= margin <= max(0.01 * budget, min(0.05 * budget, 4 * MIB)) + 1

@@ -232,7 +232,9 @@ def test_a_counting_forward_stopped_early_is_counted_again_and_the_plan_trains_b
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     acshim.apply_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    session = PlanSession(140 << 20).start()  # below no checkpointing: recompute and selective-alt
+    # below no checkpointing (about 145 MiB here), far enough that keeping every region does not fit:
+    # at 140 MiB, planned in a worker after other tests, it did (measured 133.1 MiB, 0.97x)
+    session = PlanSession(120 << 20).start()
     session_cleanup.append(session)
     for index in range(3):
         for net, opt in ((reference, plain), (model, optimizer)):
