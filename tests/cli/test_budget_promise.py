@@ -157,17 +157,10 @@ def test_budget_below_the_least_peak_names_what_dominates_and_its_suggestion_pla
     assert (parts and re.search(r"is [\d.]+ MiB", parts.group(1))) or stopped, refused.stderr[-3000:]
     suggested = _suggestion(refused.stderr)
     assert "the least peak the planner predicts" in refused.stderr, refused.stderr[-3000:]  # the frontier's
+    # At the budget named it plans, idle or loaded. (A stopped measurement's graph, held by its frames
+    # into the next measurement, once made a loaded run refuse the named budget again: measuring a
+    # block's disk offload started with the stopped recompute's 35 MiB still held.)
     done = _run(tmp_path, HF_LOOP, "8x384x2", "256,256", budget=suggested)
-    if done.returncode == 2:
-        # The least plan offloads every block to disk, and a disk offload measured with another test
-        # on the second core can hold 30% more than idle (CI: 44.2 MiB against 34 MiB): the budget
-        # named is the frontier's least as measured then, and a loaded second run may refuse it once
-        # more, naming the frontier's least again (the same within 10%), at which it plans.
-        again = _suggestion(done.stderr)
-        assert "the least peak the planner predicts" in done.stderr, done.stderr[-3000:]
-        first, second = (float(value.removesuffix("MiB")) for value in (suggested, again))
-        assert second <= first * 1.1, (suggested, again)
-        done = _run(tmp_path, HF_LOOP, "8x384x2", "256,256", budget=again)
     result = _result(done)
     # At the frontier's least budget, the planning step's measurements of choices the least plan does
     # not use are stopped at the guard (5% below a budget this size), and what the guard cannot see
