@@ -5,6 +5,7 @@ its arguments come in (single tensors, lists of tensors as ``torch.cat`` takes t
 from __future__ import annotations
 
 import gc
+import traceback
 import weakref
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from acshim.allocator import own
 from acshim.planner.process import (
+    BackwardDrain,
     Guard,
     OverBudget,
     ProcessMemory,
@@ -184,6 +186,57 @@ def test_a_measurement_stopped_in_backward_frees_its_graph_however_long_its_trac
         gc.collect()
         assert (kept["saved"]() is None) == release, release
         del traceback_held
+
+
+def test_a_backward_stopped_midway_leaves_no_queued_node_holding_saved_tensors() -> None:
+    """A stop raised by one node of a backward while another node waits in the engine's queue: on
+    CPU that node (and what it saved) stayed queued until the thread's next backward (a GPT-2
+    block's stopped ``recompute`` kept 19.6 MiB into the next measurement, which was stopped too).
+    With the unwound frames cleared either way, the waiting node's saved tensor stays alive without
+    ``release_stopped``'s drain and is freed with it, the drain running no operator (a stop inside
+    the counting forward releases with the guard still entered and over its limit)."""
+    class Packed:  # what a saved tensor is packed into, watched by a weak reference
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+    watched: list[weakref.ref] = []
+
+    def pack(tensor: torch.Tensor) -> Packed:
+        packed = Packed(tensor)
+        watched.append(weakref.ref(packed))
+        return packed
+
+    class Stop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            raise OverBudget(1, 0, "a test's backward")
+
+    BackwardDrain.prepare()  # as a guard does, before the graphs it may stop
+    leaf = torch.randn(64, 64, requires_grad=True)
+    for release in (False, True):
+        watched.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor):
+            waiting = (leaf * 1.0).sin()  # queued when the stop raises (older nodes are served last)
+        stopped = Stop.apply(leaf)
+        loss = waiting.sum() + stopped.sum()
+        del waiting, stopped
+        with pytest.raises(OverBudget) as caught:
+            loss.backward()
+        del loss
+        if release:  # as inside the counting forward: the guard still entered, over its limit
+            with _guard(room=0) as guard:
+                guard.limit = -1
+                release_stopped(caught.value)  # runs no operator the guard could stop
+        else:
+            traceback.clear_frames(caught.value.__traceback__)
+        del caught
+        gc.collect()
+        assert watched and all(ref() is None for ref in watched) == release, release
+    BackwardDrain.run()
 
 
 def _in_backward() -> bool:
