@@ -65,6 +65,7 @@ from .profile import (
     feasible,
     grad_flags,
     measure_choice,
+    with_copies_in_flight,
 )
 from .replay import Copies, replay_spec, spec_of
 from .routing import Mode, PlanningContext
@@ -80,8 +81,8 @@ for good (worker threads' heaps), which would otherwise be charged to every meas
 DEFERRED = {"recompute+offload": ("recompute", "offload")}
 """Choices measured only when a plan may use them, with the two measured choices that bound them
 (``RegionProfiler.optimistic``): ``recompute+offload`` holds at least nothing, is no faster than
-``recompute`` (the same recompute, and copies), and its backward peaks at least at the copies in
-flight plus the lesser of recompute's and offload's own transient. Planning skips a measurement of a
+``recompute`` (the same recompute, and copies), and peaks at least at the lesser of recompute's
+transient and offload's (or the copies in flight its forward meets, if more). Planning skips a measurement of a
 block alone (a seventh of a step on GPT-2 8x512) whenever no plan within reach would take it.
 (``selective-alt`` has no bound tight enough: held as little as recompute and as fast as selective,
 it would be taken, and measured, wherever selective is close.)"""
@@ -484,7 +485,7 @@ class RegionProfiler:
                 recompute, offload = _bounds_of(choice, profile.choices)  # type: ignore[misc]
                 in_flight = _in_flight(site)
                 held[choice], seconds[choice] = 0, block.seconds[recompute]
-                transient[choice] = in_flight + min(block.transient[recompute], block.transient[offload] - in_flight)
+                transient[choice] = min(block.transient[recompute], max(block.transient[offload], in_flight))
             blocks.append(replace(block, held=held, transient=transient, seconds=seconds, window=dict(block.window)))
         outside = dict(profile.outside)
         for part in self.pending_outside:
@@ -505,7 +506,7 @@ class RegionProfiler:
         self.reached[(key, choice)] = self.guard.window_peak
         self.times.observe_run(found.run, moves_data=moves_data(choice))
         in_flight = _in_flight(site) if moves_data(choice) else 0
-        profile.held[choice], profile.transient[choice] = found.held, found.transient + in_flight
+        profile.held[choice], profile.transient[choice] = found.held, with_copies_in_flight(found, in_flight)
         profile.window[choice] = found.window
         return True
 
