@@ -107,15 +107,16 @@ class BackwardDrain:
     the engine runs a backward on the calling thread from a thread-local ready queue; when a node
     raises (the guard's ``OverBudget``), the nodes already queued stay in that queue, each holding
     its node, hence the stopped graph's saved tensors (a checkpoint's recomputed ones included),
-    until the thread's next backward pops and discards them. Measured: a GPT-2 block's stopped
+    until a later backward on the thread happens to pop them. Measured: a GPT-2 block's stopped
     ``recompute`` measurement kept 19.7 MiB (its recomputed tensors) until a later step's backward,
     so the next measurement, ``offload:disk``, started there and was stopped too: a budget of 50 MiB
-    was refused naming 50.1 MiB, which was refused naming 50.2 MiB; with the drain it plans. Running a backward drains the queue, but it ends as soon as
-    its own graph is done, and the queue serves nodes with higher sequence numbers (newer) first;
-    so the drain's graph is made once per thread before any measurement (``prepare``, when a guard
-    is made), its one node older than every node a measurement makes, and run with
-    ``retain_graph`` each time: every stale node is popped before it. Written by hand: torch has no
-    call that clears the queue."""
+    was refused naming 50.1 MiB, which was refused naming 50.2 MiB; with the drain it plans.
+
+    A backward pops stale nodes only until its own graph is done, and the queue serves nodes with
+    higher sequence numbers (newer) first. So the drain's graph is made once per thread before any
+    measurement (``prepare``, when a guard is made), its one node older than every node a
+    measurement makes, and run with ``retain_graph`` each time: every stale node is popped before
+    it. Written by hand: torch has no call that clears the queue."""
 
     _local = threading.local()
 

@@ -82,8 +82,9 @@ DEFERRED = {"recompute+offload": ("recompute", "offload")}
 """Choices measured only when a plan may use them, with the two measured choices that bound them
 (``RegionProfiler.optimistic``): ``recompute+offload`` holds at least nothing, is no faster than
 ``recompute`` (the same recompute, and copies), and peaks at least at the lesser of recompute's
-transient and offload's (or the copies in flight its forward meets, if more). Planning skips a measurement of a
-block alone (a seventh of a step on GPT-2 8x512) whenever no plan within reach would take it.
+transient and offload's (or the copies in flight its forward meets, if more). Planning skips a
+measurement of a block alone (a seventh of a step on GPT-2 8x512) whenever no plan within reach
+would take it.
 (``selective-alt`` has no bound tight enough: held as little as recompute and as fast as selective,
 it would be taken, and measured, wherever selective is close.)"""
 

@@ -191,7 +191,7 @@ def test_a_measurement_stopped_in_backward_frees_its_graph_however_long_its_trac
 def test_a_backward_stopped_midway_leaves_no_queued_node_holding_saved_tensors() -> None:
     """A stop raised by one node of a backward while another node waits in the engine's queue: on
     CPU that node (and what it saved) stayed queued until the thread's next backward (a GPT-2
-    block's stopped ``recompute`` kept 19.6 MiB into the next measurement, which was stopped too).
+    block's stopped ``recompute`` kept 19.7 MiB into the next measurement, which was stopped too).
     With the unwound frames cleared either way, the waiting node's saved tensor stays alive without
     ``release_stopped``'s drain and is freed with it, the drain running no operator (a stop inside
     the counting forward releases with the guard still entered and over its limit)."""
