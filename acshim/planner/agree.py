@@ -75,6 +75,11 @@ def agree_bytes(value: int, device: torch.device) -> int:
     return int(_max([float(value)], device)[0])
 
 
+def agree_every_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each of ``flags`` true only where it is true on every rank (a choice every rank measured)."""
+    return [value < 0 for value in _max([-1.0 if flag else 0.0 for flag in flags], device)]
+
+
 def agree_measurement(verified: Any, device: torch.device) -> Any:
     """A verification (``profiler.Verification``) with the largest held and peak bytes any rank
     measured for the same candidate plan, stopped if any rank's guard stopped it (in place)."""

@@ -14,7 +14,8 @@ script's own steps, in lock-step on every rank:
    only: stopping one rank mid-step would leave the others waiting in a collective) and every
    millisecond by a thread. Then, where the storage tier moves something (``storage_choices``), one
    step runs every region ``offload:TIER`` and one ``recompute+offload:TIER``, measured the same
-   way; with them every choice's held bytes per region are explicit (``explored``).
+   way, and one step runs one region of each kind ``selective`` and one ``selective-alt``
+   (``SAMPLED``); with them every choice's held bytes per region are explicit (``explored``).
 2. **Solve**: at the next step's start every rank agrees the numbers (each the largest any rank
    measured, ``agree.agree_profile``); rank 0 solves them with the exact DP (``_profile`` maps the
    phases onto the solver's peak formula) and broadcasts the plan, so no two ranks can run
@@ -24,9 +25,9 @@ script's own steps, in lock-step on every rank:
    fits), for the next step, at most ``retries`` times, and said on stderr.
 
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
-memory and time. Limits (docs/cli.md): choices are keep, recompute and the storage tier's per
-region (selective-op and the chunked head and loss are measured by running regions alone, not
-offered here); the explored steps peak at their choices' peaks whatever the budget, so the budget
+memory and time. Limits (docs/cli.md): choices are keep, recompute, selective-op and the storage
+tier's per region (the chunked head and loss, measured by running the part outside the regions
+alone, is not offered here); the explored steps peak at their choices' peaks whatever the budget, so the budget
 holds from the first planned step; a budget below the least plan is refused after them, naming a
 budget that plans.
 """
@@ -52,15 +53,16 @@ from .. import structures
 from ..measure import storage_key
 from ..options import RegionOptions
 from ..region import run_region_now
-from .agree import agree_bytes, agree_profile
-from .budget import budget_at_least, format_bytes
+from .agree import agree_bytes, agree_every_rank, agree_profile
+from .budget import budget_at_least, format_bytes, parse_budget
 from .choices import SharedOffload, choice_options, expand_choices
 from .explored import HELD_UNIT, ChoiceSteps, median_per_key, rounded
-from .plan import HEADROOM, Plan, solve_within
+from .plan import HEADROOM, Plan, reference, solve_within
 from .process import Guard, ProcessMemory, trim
 from .profile import INFEASIBLE, BlockProfile, Profile, block_key, model_signature
 from .routing import PlanningContext
-from .sites import device_of, outermost_module_on_stack, rank, site_names
+from .sampled import SelectiveSaved
+from .sites import device_of, gathers_inside, outermost_module_on_stack, rank, site_names
 from .solver import BudgetTooSmall, minimum_peak
 
 CHOICES = ["keep", "recompute"]
@@ -84,6 +86,20 @@ SUGGESTION_MARGIN = 0.10
 0.05 for a model measured region by region): the script's own steps on every rank vary more from
 one process to the next (FSDP2 on 2 gloo ranks with the CI's other worker running: the least peak
 measured again 6.4% above the first run's, so a budget 5% above it was refused once more)."""
+
+SAMPLED = ("selective", "selective-alt")
+"""Choices explored on a sample of the regions, all on one step (``SAMPLED_STEP``): per kind of
+region (``profile.block_key``), its last region runs ``selective``, the one before it
+``selective-alt``, the rest recompute. A selective region holds what its policy saves (matmul and
+attention outputs), so running every region selective would hold most of no checkpointing's
+activations on that step; the last regions' are freed first in backward. The step runs as many of
+these choices as its predicted peak leaves room for within the budget (``_choose_samples``), and
+none (it is skipped) where not even one fits or the regions gather parameters themselves. The other regions of a kind take the sampled
+region's difference from recompute (``explored``). A choice is offered where every kind of region,
+on every rank, was sampled with it (``selective-alt`` needs two of a kind)."""
+
+SAMPLED_STEP = "sampled"
+"""The explored step that runs the ``SAMPLED`` choices on one region of each kind."""
 
 PHASE_UNIT = 1 << 20
 """Phase peaks are rounded up to this: a few pages of noise between runs must not reorder plans
@@ -289,10 +305,16 @@ def storage_choices(session: PlanningContext, device: torch.device) -> list[str]
             and not (choice.endswith(":host") and device.type == "cpu")]
 
 
+def sampled_choices(session: PlanningContext) -> list[str]:
+    """The ``SAMPLED`` choices ``session`` offers."""
+    offered = expand_choices(session.choices, ("disk",))
+    return [choice for choice in SAMPLED if choice in offered]
+
+
 def explore_steps(session: PlanningContext) -> int:
     """The steps ``session``'s sharded model is explored on before its plan (also after it stopped)."""
     device = device_of(session.root) if session.root is not None else torch.device("cpu")
-    return EXPLORE_STEPS + len(storage_choices(session, device))
+    return EXPLORE_STEPS + len(storage_choices(session, device)) + (1 if sampled_choices(session) else 0)
 
 
 def _mark_backward(output: Any, index: int, peak: StepPeak) -> None:
@@ -345,8 +367,17 @@ class LockstepPlanner:
         self.storage_choices = storage_choices(session, self.device)
         """The storage tier's choices offered (``offload:TIER``, ``recompute+offload:TIER``): each is
         explored on one step of its own after the recomputed ones (``explored``)."""
+        self.sampled_choices = sampled_choices(session)
+        """The choices explored on a sample of the regions, on one step after the storage choices'."""
+        self.sampled_at: dict[str, dict[Any, int]] = {}
+        """Per sampled choice, per kind of region (``self.keys``' values), the region run as it."""
+        self.sampled_saved: dict[str, dict[Any, int]] = {}
+        """Per sampled choice, per kind of region, the bytes its sampled region cached for backward
+        (``sampled.SelectiveSaved``; absent where they could not be counted)."""
+        self._samples: dict[int, str] = {}
+        """Region index -> the sampled choice it runs on the sampled step (``_choose_samples``)."""
         self.runs: dict[str, ChoiceSteps] = {}
-        """Per explored choice, what its steps measured."""
+        """Per explored choice (``SAMPLED_STEP`` for the sampled step), what its steps measured."""
         self.run_peaks: dict[str, int] = {}
         """Per explored choice, its steps' largest peak (agreed across ranks)."""
         self._scope: SharedOffload | None = None
@@ -377,6 +408,8 @@ class LockstepPlanner:
         """Run region ``index`` recomputed, counting what it would hold kept and timing its forward (or,
         on a storage choice's step, as that choice)."""
         choice = self.step_choice
+        if choice == SAMPLED_STEP:
+            return self._explore_sampled(index, function, args, kwargs)
         if choice != "recompute":
             return self._explore_stored(choice, index, function, args, kwargs)
         inputs = {key[0] for leaf in structures.flatten((args, kwargs))[0]
@@ -398,14 +431,89 @@ class LockstepPlanner:
 
     @property
     def explore_steps(self) -> int:
-        """Steps explored before the plan: the recomputed ones, then one per storage choice."""
-        return EXPLORE_STEPS + len(self.storage_choices)
+        """Steps explored before the plan: the recomputed ones, then one per storage choice, then the
+        sampled one."""
+        return EXPLORE_STEPS + len(self.storage_choices) + (1 if self.sampled_choices else 0)
 
     @property
     def step_choice(self) -> str:
-        """What every region of the step being explored runs as."""
+        """What every region of the step being explored runs as (``SAMPLED_STEP``: see ``SAMPLED``)."""
         extra = self.explored - EXPLORE_STEPS
-        return self.storage_choices[extra] if 0 <= extra < len(self.storage_choices) else "recompute"
+        if 0 <= extra < len(self.storage_choices):
+            return self.storage_choices[extra]
+        if extra == len(self.storage_choices) and self.sampled_choices:
+            return SAMPLED_STEP
+        return "recompute"
+
+    def _explore_sampled(self, index: int, function: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+        """Run region ``index`` as the ``SAMPLED`` choice ``_choose_samples`` gave it (else
+        recomputed), measured."""
+        measuring = self.measuring
+        assert measuring is not None
+        owner = self.session.sites[index].owner if index < len(self.session.sites) else None
+        key = self.keys.setdefault(index, block_key(owner, args, kwargs) if owner is not None else index)
+        choice = self._samples.get(index, "recompute")
+        options = choice_options(choice).replace(observer=_RegionMarks(index, measuring))
+        if choice == "recompute":
+            return run_region_now(function, args, kwargs, options)
+        inputs = {found[0] for leaf in structures.flatten((args, kwargs))[0] if (found := storage_key(leaf)) is not None}
+        counter = SelectiveSaved(options.context_fn, inputs)
+        output = run_region_now(function, args, kwargs, options.replace(context_fn=counter))
+        self.sampled_at.setdefault(choice, {})[key] = index
+        if counter.counted:
+            self.sampled_saved.setdefault(choice, {})[key] = counter.total
+        return output
+
+    def _choose_samples(self) -> None:
+        """Before the sampled step (every rank at once): the last region of each kind runs the
+        first ``SAMPLED`` choice, the one before it the second, as many choices as fit the budget
+        by the step's predicted peak: each recomputed phase's peak plus what the sampled regions
+        alive then would save kept (``SavedCounter``, more than selective-op saves). Where not
+        even one fits, or a region's own call gathers parameters (``sites.gathers_inside``: ZeRO-3,
+        or ``fully_shard`` inside the checkpointed module; a forward whose parameters were
+        prefetched and a recompute that gathers them run different operators, and torch's
+        selective checkpoint raises "encountered during backward but not found in storage", as a
+        ZeRO-3 plan of selective and kept blocks did here), no choice is sampled and the step is
+        skipped."""
+        count = 1 + max(self.keys, default=-1)
+        kinds: dict[Any, list[int]] = {}
+        for index in range(count):
+            kinds.setdefault(self.keys.get(index, index), []).append(index)
+        # no checkpointing's peak as the plan will predict it, from the steps explored so far
+        peak, names, explored = self.run_peaks.get("recompute", 0), [str(index) for index in range(count)], [
+            choice for choice in self.storage_choices if choice in self.runs]
+        blocks, other_held, outside = (self._blocks_explored(names, [0.0] * count, peak, explored, []) if explored
+                                       else self._recomputed_blocks(names, [0.0] * count, peak))
+        none = reference(Profile(blocks=blocks, choices=CHOICES, other_held=other_held, other_transient=outside,
+                                 other_seconds=0.0, signature="", prefetch=self.session.prefetch))[0]
+        budget = parse_budget(self.session.planned_budget, agree_bytes(none, self.device))
+        chosen: dict[int, str] = {}
+        # where a region's own call gathers parameters (ZeRO-3, fully_shard inside it), its recompute
+        # may run other operators than its forward did: torch's selective checkpoint would raise
+        gathering = any(gathers_inside(site.owner) for site in self.session.sites if site.owner is not None)
+        for many in range(0 if gathering else len(self.sampled_choices), 0, -1):
+            samples = {index: choice for indexes in kinds.values()
+                       for choice, index in zip(self.sampled_choices[:many], reversed(indexes), strict=False)}
+            if agree_bytes(self._sampled_peak(samples), self.device) <= budget * (1 - HEADROOM):
+                chosen = samples
+                break
+        self._samples = chosen
+        self.sampled_choices = self.sampled_choices[:len(set(chosen.values()))]
+
+    def _sampled_peak(self, samples: dict[int, str]) -> int:
+        """The sampled step's predicted peak: every recomputed phase's, plus the bytes kept by the
+        sampled regions whose forward has run and whose backward has not finished by then."""
+
+        def alive(phase: str | int, index: int) -> bool:
+            if isinstance(phase, int):  # region ``phase``'s recompute and backward
+                return phase >= index
+            if phase.startswith("forward:"):
+                return int(phase.partition(":")[2]) > index
+            return phase != "stem"
+
+        return max((size + sum(self.saved.get(index, 0) for index in samples if alive(phase, index))
+                    for phase, size in self.phase_peaks.items()), default=0)
 
     def _explore_stored(self, choice: str, index: int, function: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
@@ -449,6 +557,8 @@ class LockstepPlanner:
         session = self.session
         if self.exploring:
             self.explored += 1
+            if self.explored == self.explore_steps - 1 and self.sampled_choices:
+                self._choose_samples()  # (none fit: the sampled step is skipped)
             if self.explored < self.explore_steps:
                 self._measure_next_step()
                 return None
@@ -485,7 +595,8 @@ class LockstepPlanner:
         measured; the next one gets a plan solved on it."""
         self._drop_measurement()
         self.saved, self.seconds, self.phase_peaks, self.kept_forward = {}, {}, {}, {}
-        self.runs, self.run_peaks = {}, {}
+        self.runs, self.run_peaks, self.sampled_at, self.sampled_saved = {}, {}, {}, {}
+        self.sampled_choices = sampled_choices(self.session)
         self.exploring, self.explored, self.verifications = True, 0, 0
         self._measure_next_step()
 
@@ -513,9 +624,9 @@ class LockstepPlanner:
     def _profile(self, peak: int) -> Profile:
         """The explored steps as the solver's profile (``solver``'s peak formula: while region i
         runs, forward or backward, the kept regions before it hold what they saved). ``peak``: the
-        recomputed steps' largest; a phase not seen counts as it. Without a storage choice
-        (``_recomputed_blocks``) everything the recomputed steps held is in the phases; with one,
-        each choice's held bytes are explicit (``_blocks_with_storage``, ``explored``)."""
+        recomputed steps' largest; a phase not seen counts as it. Without a storage or sampled
+        choice (``_recomputed_blocks``) everything the recomputed steps held is in the phases; with
+        one, each choice's held bytes are explicit (``_blocks_explored``, ``explored``)."""
         session = self.session
         names = site_names(self.root, session.sites)
         for name, site in zip(names, session.sites, strict=True):
@@ -527,17 +638,23 @@ class LockstepPlanner:
         forwards = [statistics.median(shared.get(self.keys.get(index), [self.seconds.get(index, 0.0)]))
                     for index in range(len(names))]
         explored = [c for c in self.storage_choices if c in self.runs]
-        if explored:
-            blocks, other_held, outside = self._blocks_with_storage(names, forwards, peak, explored)
+        sampled = self._sampled_offered(len(names))
+        if explored or sampled:
+            blocks, other_held, outside = self._blocks_explored(names, forwards, peak, explored, sampled)
         else:
             blocks, other_held, outside = self._recomputed_blocks(names, forwards, peak)
         owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
-        method = METHOD if not explored else METHOD.replace(
-            "the plan's first step", f"then one step each ran every region {' and '.join(explored)}; the plan's first step")
+        method = METHOD
+        if explored:
+            method = method.replace("the plan's first step", f"then one step each ran every region "
+                                                             f"{' and '.join(explored)}; the plan's first step")
+        if sampled:
+            method = method.replace("the plan's first step", f"then one step ran one region of each kind "
+                                                             f"{' and one '.join(sampled)}; the plan's first step")
         # rank 0's: FSDP1's flat-parameter shards give each rank different parameter shapes
         signature: list[Any] = [model_signature(self.root, owners)]
         dist.broadcast_object_list(signature, src=0)
-        profile = Profile(blocks=blocks, choices=[*CHOICES, *explored], other_held=other_held,
+        profile = Profile(blocks=blocks, choices=[*CHOICES, *sampled, *explored], other_held=other_held,
                           other_transient=outside, other_seconds=0.0, signature=signature[0],
                           prefetch=session.prefetch, method=method,
                           recompute_step={"saved": sum(self.saved.values()), "peak": peak})
@@ -569,15 +686,30 @@ class LockstepPlanner:
         outside = max(phases.get("forward", peak), phases.get("head", peak), phases.get("stem", 0))
         return blocks, 0, outside
 
-    def _blocks_with_storage(self, names: list[str], forwards: list[float], peak: int, explored: list[str]
-                             ) -> tuple[list[BlockProfile], int, int]:
+    def _sampled_offered(self, count: int) -> list[str]:
+        """The ``SAMPLED`` choices every kind of region was run as, on every rank (a collective:
+        every rank calls it)."""
+        if not self.sampled_choices:
+            return []
+        kinds = {self.keys.get(index, index) for index in range(count)}
+        covered = [SAMPLED_STEP in self.runs and kinds <= set(self.sampled_at.get(choice, {}))
+                   for choice in self.sampled_choices]
+        agreed = agree_every_rank(covered, self.device)
+        return [choice for choice, offered in zip(self.sampled_choices, agreed, strict=True) if offered]
+
+    def _blocks_explored(self, names: list[str], forwards: list[float], peak: int, explored: list[str],
+                         sampled: list[str]) -> tuple[list[BlockProfile], int, int]:
         """Every choice's held bytes explicit (``explored``): recompute's and each storage choice's
-        from its own step, keep's as recompute's plus what ``SavedCounter`` counted; the part outside
+        from its own step, keep's as recompute's plus what ``SavedCounter`` counted, a sampled
+        choice's (``SAMPLED``) as recompute's plus what its kind's sampled region held, and had as
+        transient, beyond the same region recomputed (held: never below recompute's, never above
+        keep's); the part outside
         the regions holds the most any step held when its first region started. Times: keep and
         recompute as without storage choices; a storage choice adds what its step's region took
         beyond the same work recomputed (``offload``: beyond keep's, the recompute-and-backward
         phase; ``recompute+offload``: beyond recompute's), never less than nothing (measured
-        faster is noise). The ``offload`` schedule's resident window: what the first offloaded region
+        faster is noise); a sampled choice's is recompute's less what its sampled region took less than
+        recomputed, never below keep's. The ``offload`` schedule's resident window: what the first offloaded region
         left behind in its step (``Profile.window`` adds the copies in flight). Each region keeps its
         own numbers (the first region's input may be held by the part before it)."""
         count = len(names)
@@ -594,6 +726,10 @@ class LockstepPlanner:
         held = {choice: [rounded(size, HELD_UNIT) for size in sizes] for choice, sizes in measured.items()}
         transient = {choice: self.runs[choice].transients(count, sizes, peak, PHASE_UNIT)
                      for choice, sizes in measured.items()}
+        steps = dict(measured)  # what each explored step held per region (the sampled one's mixed)
+        if sampled:
+            steps[SAMPLED_STEP] = self.runs[SAMPLED_STEP].held(count)
+            sampled_transient = self.runs[SAMPLED_STEP].transients(count, steps[SAMPLED_STEP], peak, PHASE_UNIT)
         saved = [self.saved.get(index, 0) for index in range(count)]
         kept_prefix, kept = 0, []
         for index in range(count):
@@ -621,11 +757,23 @@ class LockstepPlanner:
                 block.seconds[choice] = base + max(0.0, beyond)
                 if offloaded:
                     block.window[choice] = window
+            for choice in sampled:
+                at = self.sampled_at[choice][keys[index]]
+                # it holds its input, as recompute, and the outputs its policy saved (counted; else
+                # what the sampled region's forward left behind beyond recompute's), within keep's
+                more = self.sampled_saved.get(choice, {}).get(keys[index])
+                if more is None:
+                    more = steps[SAMPLED_STEP][at] - measured["recompute"][at]
+                block.held[choice] = min(block.held["keep"],
+                                         max(held["recompute"][index], rounded(measured["recompute"][index] + more,
+                                                                              HELD_UNIT)))
+                block.transient[choice] = max(0, transient["recompute"][index] + sampled_transient[at]
+                                              - transient["recompute"][at])
+                faster = self.runs[SAMPLED_STEP].region_seconds(at) - plain[at]
+                block.seconds[choice] = min(recompute_seconds, max(keep_seconds, recompute_seconds + faster))
             blocks.append(block)
-        runs = [self.runs[choice] for choice in measured]
-        other_held = rounded(max(run.start for run in runs), PHASE_UNIT)
-        outside = max(rounded(run.outside(count, measured[choice], peak), PHASE_UNIT)
-                      for choice, run in zip(measured, runs, strict=True))
+        other_held = rounded(max(self.runs[step].start for step in steps), PHASE_UNIT)
+        outside = max(rounded(self.runs[step].outside(count, sizes, peak), PHASE_UNIT) for step, sizes in steps.items())
         return blocks, other_held, outside
 
     def _solve_on_rank0(self, budget: Any, overhead: int) -> Plan:

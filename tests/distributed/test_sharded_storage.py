@@ -1,5 +1,5 @@
 """Sharded models (FSDP2, ZeRO-3) under ``torchrun -m acshim run --budget`` are offered the storage
-tier's choices too (acshim/planner/lockstep.py, explored.py): after the recomputed steps, one step
+tier's choices and selective-op too (acshim/planner/lockstep.py, explored.py): after the recomputed steps, one step
 runs every region offloaded to disk and one recomputed with its input on disk, and the plan may mix
 them with keep and recompute. A budget below full recompute's peak, refused before, now plans (FSDP2;
 ZeRO-3 and FSDP1 exact and within budget with these choices offered: test_budget_ranks.py, below); every
@@ -8,14 +8,15 @@ equal the same engine's without checkpointing bitwise (dropout on, 2 gloo ranks)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 SHARDED = str(Path(__file__).resolve().parent / "scripts" / "sharded_budget.py")
 STORAGE = ("offload:disk", "recompute+offload:disk")
-EXPLORED = 4
-"""Steps explored before the plan: two recomputed, one per storage choice."""
+EXPLORED = 5
+"""Steps explored before the plan: two recomputed, one per storage choice, one sampling selective-op."""
 
 
 @pytest.mark.parametrize(("engine", "blocks", "budget"), [
@@ -36,9 +37,10 @@ def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_e
     assert ranks[0]["choices"] == ranks[1]["choices"], ranks            # one plan, rank 0's
     assert set(ranks[0]["choices"]) & set(STORAGE), ranks               # the storage tier made it fit
     for r in ranks:
-        assert len(r["measured"]) == EXPLORED + 1, r                    # explored steps, then one verification
+        # explored steps (the sampled one skipped where no selective block fits), then one verification
+        assert len(r["measured"]) in (EXPLORED, EXPLORED + 1), r
         assert max(r["measured"][:2]) > r["budget"], r                  # full recompute alone would not fit
-        assert max(r["peaks"][EXPLORED:]) <= r["budget"], r             # every planned step within, by VmHWM
+        assert max(r["peaks"][len(r["measured"]) - 1:]) <= r["budget"], r  # every planned step within, by VmHWM
     assert "(0." in result.stderr and "of the budget, within it)" in result.stderr, result.stderr[-3000:]
 
 
@@ -55,4 +57,29 @@ def test_fsdp1_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(lau
     assert ranks[0]["choices"] == ranks[1]["choices"] and "choices" in ranks[0], ranks
     assert set(ranks[0]["choices"]) != {"recompute"}, ranks             # the budget left room to keep or offload
     for r in ranks:
-        assert max(r["peaks"][EXPLORED:]) <= r["budget"], r
+        assert max(r["peaks"][len(r["measured"]) - 1:]) <= r["budget"], r
+
+
+def test_fsdp2_is_offered_selective_op_sampled_on_its_last_block_within_the_budget(launch, torchrun, tmp_path) -> None:
+    """Selective-op on a sharded model: after the storage choices' steps, one step runs the last
+    block ``selective`` (its saved matmul outputs counted) and the one before it ``selective-alt``
+    where the budget leaves room, the rest recomputed; the other blocks of the kind take the sampled
+    block's difference from recompute. The sampled step stays within the budget (its predicted peak
+    decides how many blocks it samples), the plan is rank 0's on both ranks, and the weights equal
+    FSDP2's without checkpointing bitwise."""
+    path = tmp_path / "plan.json"
+    command = torchrun("-m", "acshim", "run", "--budget", "0.75", "--plan-file", str(path), SHARDED,
+                       "--engine", "fsdp2", "--rows", ",".join(["2048"] * (EXPLORED + 2)))
+    result = launch(command, timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = result.results
+    assert all(r["equal"] and r["finite"] for r in ranks), ranks
+    assert ranks[0]["choices"] == ranks[1]["choices"], ranks
+    profile = json.loads(path.read_text())["profile"]
+    assert "selective" in profile["choices"], profile["choices"]     # sampled on every rank, offered
+    assert "one region of each kind selective" in profile["method"], profile["method"]
+    for r in ranks:
+        assert len(r["measured"]) == EXPLORED + 1, r                  # the sampled step ran
+        assert max(r["peaks"]) <= r["budget"], r                       # it too within the budget, by VmHWM
+    blocks = profile["blocks"]
+    assert all(b["held"]["recompute"] < b["held"]["selective"] < b["held"]["keep"] for b in blocks), blocks

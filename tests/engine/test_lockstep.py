@@ -1,7 +1,7 @@
 """``acshim.planner.lockstep`` on one process, its collectives stood in for by a rank's own numbers
 (tests/distributed runs it on 2 real gloo ranks, FSDP2 and ZeRO-3): a sharded model is planned on
 the script's own steps, two explored recomputed (and one per storage choice: offload:disk,
-recompute+offload:disk) and one verified, every step's gradients bitwise equal to no checkpointing;
+recompute+offload:disk, and one running one block selective and one selective-alt) and one verified, every step's gradients bitwise equal to no checkpointing;
 a verification over the budget is solved again with the error as room."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def one_rank_as_sharded(monkeypatch):
     monkeypatch.setattr(session_module, "agree_bytes", lambda value, device: value)
     monkeypatch.setattr(lockstep, "agree_bytes", lambda value, device: value)
     monkeypatch.setattr(lockstep, "agree_profile", lambda profile, device: profile)
+    monkeypatch.setattr(lockstep, "agree_every_rank", lambda flags, device: flags)
     monkeypatch.setattr(lockstep.dist, "broadcast_object_list", lambda objects, src=0: None)
     monkeypatch.setattr(lockstep.dist, "get_world_size", lambda group=None: 2)
     sessions: list[PlanSession] = []
@@ -52,7 +53,8 @@ def test_sharded_model_is_planned_on_its_own_steps_bitwise(one_rank_as_sharded, 
     session = PlanSession(0.8, choices=choices).start()
     one_rank_as_sharded.append(session)
     explored = lockstep.explore_steps(session)
-    assert explored == (2 if len(choices) == 2 else 4)  # the storage choices' steps: offload, recompute+offload
+    # the storage choices' steps (offload, recompute+offload), then one sampling selective and selective-alt
+    assert explored == (2 if len(choices) == 2 else 5)
     original_backward = torch.autograd.backward
     for step in range(explored + 2):
         assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
@@ -61,8 +63,9 @@ def test_sharded_model_is_planned_on_its_own_steps_bitwise(one_rank_as_sharded, 
             assert torch.autograd.backward is not original_backward  # measured, forward and backward
     plan = session.plan
     assert plan is not None and session.mode == "planned"
-    assert set(plan.profile.choices) == {"keep", "recompute", *(["offload:disk", "recompute+offload:disk"]
-                                                               if len(choices) > 2 else [])}
+    offered = {"keep", "recompute", *(["selective", "offload:disk", "recompute+offload:disk"]
+                                      if len(choices) > 2 else [])}
+    assert set(plan.profile.choices) - {"selective-alt"} == offered  # selective-alt: where the budget left room
     assert set(plan.choices) != {"recompute"}, plan.choices  # some blocks kept (or offloaded), not all recomputed
     assert len(session._lockstep.peaks) == explored + 1  # the explored steps, one verified
     assert plan.measured_process_peak is not None and plan.measured_process_peak <= plan.budget
@@ -104,7 +107,7 @@ def test_a_budget_below_the_least_plan_is_refused_after_the_explored_steps(one_r
     acshim.apply_checkpointing(model)
     session = PlanSession("1MiB").start()
     one_rank_as_sharded.append(session)
-    for _ in range(lockstep.explore_steps(session)):
+    for _ in range(lockstep.explore_steps(session) - 1):  # the sampled step is skipped: no sample fits 1 MiB
         train_step(model, _ids(), seed=5)
     with pytest.raises(session_module.PlanExit, match=r"below the least any plan of keep, recompute, offload:disk, "
                                                       r"recompute\+offload:disk needs: .* pass --budget [\d.]+MiB or "
@@ -112,3 +115,49 @@ def test_a_budget_below_the_least_plan_is_refused_after_the_explored_steps(one_r
         train_step(model, _ids(), seed=5)
     assert caught.value.code == 2
     assert region.ROUTERS == []
+
+
+def test_selective_choices_are_sampled_on_one_block_of_each_kind_and_planned_bitwise(one_rank_as_sharded) -> None:
+    """The sampled step runs the last block selective, the one before it selective-alt and the rest
+    recomputed; the other blocks take the sampled block's difference from recompute, so the solver
+    can plan selective-op on a sharded model. Every step, the sampled and the planned ones included,
+    gives no checkpointing's gradients bitwise (dropout on)."""
+    expected = train_step(_model(), _ids(), seed=5)
+    model = _model()
+    acshim.apply_checkpointing(model)
+    session = PlanSession(0.8, choices=("keep", "selective", "selective-alt")).start()
+    one_rank_as_sharded.append(session)
+    explored = lockstep.explore_steps(session)
+    assert explored == lockstep.EXPLORE_STEPS + 1  # the recomputed steps, then the sampled one
+    for _ in range(explored + 2):
+        assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
+    planner, plan = session._lockstep, session.plan
+    # one block each, the last ones (their saved tensors are freed first in backward), as many
+    # choices as the budget left room for: selective first
+    offered = [choice for choice in plan.profile.choices if choice.startswith("selective")]
+    assert offered in (["selective"], ["selective", "selective-alt"]), plan.profile.choices
+    assert {choice: sorted(at.values()) for choice, at in planner.sampled_at.items()} == {
+        choice: [3 - position] for position, choice in enumerate(offered)}
+    for block in plan.profile.blocks:  # a selective block holds its input, as recompute, and less than keep
+        assert block.held["recompute"] <= block.held["selective"] <= block.held["keep"], block
+        assert block.seconds["keep"] <= block.seconds["selective"] <= block.seconds["recompute"], block
+    assert {"selective", "selective-alt"} & set(plan.choices), plan.choices
+    assert plan.measured_process_peak is not None and plan.measured_process_peak <= plan.budget
+
+
+def test_regions_that_gather_their_own_parameters_are_not_sampled_selective(one_rank_as_sharded) -> None:
+    """ZeRO-3 marks its partitioned parameters (``ds_status``) and gathers them in every module's
+    hooks, inside the checkpointed region: a forward that found them prefetched and a recompute that
+    gathers them run different operators, which torch's selective checkpoint refuses mid-backward.
+    Such regions are offered no selective choice and the sampled step is skipped."""
+    model = _model()
+    for parameter in model.h.parameters():
+        parameter.ds_status = "stand-in"  # what ZeRO-3 sets on a partitioned parameter
+    acshim.apply_checkpointing(model)
+    session = PlanSession(0.8, choices=("keep", "selective", "selective-alt")).start()
+    one_rank_as_sharded.append(session)
+    for _ in range(lockstep.EXPLORE_STEPS + 1):  # the recomputed steps, then the plan's first (no sampled step)
+        train_step(model, _ids(), seed=5)
+    plan = session.plan
+    assert plan is not None and set(plan.profile.choices) == {"keep", "recompute"}, plan
+    assert session._lockstep.sampled_at == {}
