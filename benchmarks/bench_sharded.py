@@ -14,7 +14,8 @@ a DeepSpeed engine at ZeRO-3 (DeepSpeed's CPU accelerator). Every configuration 
   ranks (planning's second explored step included). The first step is shown on its own: an engine
   allocates its gradient buffers there (ZeRO-3: 143 MiB at the end of its first backward on this
   model), which is the baseline of every later step, as docs/measuring.md's warm-up step.
-- step time: the slowest rank's, median of the steps after the plan is verified (step 4 on).
+- step time: the slowest rank's, median of the steps after the plan is verified (after the explored
+  steps, up to six, and the verified one; step 4 on for the fixed recipes).
 - rounds: the configurations run one after another, the order rotated each round; ratios to ``none``
   are per round, the median is reported.
 - checks: the full weights after the steps equal ``none``'s bitwise (every configuration); the
@@ -51,7 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budgets", default="0.6,0.4")
     parser.add_argument("--load", choices=("both", "idle", "busy"), default="both")
@@ -144,7 +145,8 @@ def child(args: argparse.Namespace) -> None:
 
     if acshim.region.ROUTERS:
         session = acshim.region.ROUTERS[0]
-        result.update(plan=session.plan.describe(), budget=session.plan.budget)
+        result.update(plan=session.plan.describe(), budget=session.plan.budget,
+                      measured=len(session._lockstep.peaks) if session._lockstep is not None else 0)
     print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     if args.engine == "zero3":
@@ -173,7 +175,9 @@ def run(args: argparse.Namespace, config: str) -> dict[str, Any]:
         raise SystemExit(f"{config}: exit {done.returncode}\n{done.stderr[-3000:]}")
     decoder = json.JSONDecoder()
     ranks = [decoder.raw_decode(chunk)[0] for chunk in done.stdout.split("RESULT ")[1:]]
-    timed = slice(3, None)  # after the two explored steps and the verified one
+    # after the explored steps and the verified ones (lockstep: two recomputed, one per storage choice,
+    # the sampled one, the head's), else after the first three
+    timed = slice(ranks[0].get("measured") or 3, None)
     per_step = [max(r["seconds"][i] for r in ranks) for i in range(len(ranks[0]["seconds"]))]
     return {"peak": max(max(r["peaks"][1:]) for r in ranks), "first": max(r["peaks"][0] for r in ranks),
             "seconds": statistics.median(per_step[timed]),

@@ -16,6 +16,8 @@ script's own steps, in lock-step on every rank:
    step runs every region ``offload:TIER`` and one ``recompute+offload:TIER``, measured the same
    way, and one step runs one region of each kind ``selective`` and one ``selective-alt``
    (``SAMPLED``); with them every choice's held bytes per region are explicit (``explored``).
+   Where the model has an LM head ``acshim.head`` can run, a last step runs the head and loss in
+   chunks (``HEAD_STEP``), so the part outside the regions is planned too.
 2. **Solve**: at the next step's start every rank agrees the numbers (each the largest any rank
    measured, ``agree.agree_profile``); rank 0 solves them with the exact DP (``_profile`` maps the
    phases onto the solver's peak formula) and broadcasts the plan, so no two ranks can run
@@ -26,8 +28,8 @@ script's own steps, in lock-step on every rank:
 
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
 memory and time. Limits (docs/cli.md): choices are keep, recompute, selective-op and the storage
-tier's per region (the chunked head and loss, measured by running the part outside the regions
-alone, is not offered here); the explored steps peak at their choices' peaks whatever the budget, so the budget
+tier's per region, keep and the chunked head for the part outside them (not the head's loss mode,
+nor that part offloaded); the explored steps peak at their choices' peaks whatever the budget, so the budget
 holds from the first planned step; a budget below the least plan is refused after them, naming a
 budget that plans.
 """
@@ -53,9 +55,10 @@ from .. import structures
 from ..measure import storage_key
 from ..options import RegionOptions
 from ..region import run_region_now
+from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_every_rank, agree_profile
 from .budget import budget_at_least, format_bytes, parse_budget
-from .choices import SharedOffload, choice_options, expand_choices
+from .choices import SharedOffload, choice_options, expand_choices, install_outside, outside_choices
 from .explored import HELD_UNIT, ChoiceSteps, median_per_key, rounded
 from .plan import HEADROOM, Plan, reference, solve_within
 from .process import Guard, ProcessMemory, trim
@@ -100,6 +103,14 @@ on every rank, was sampled with it (``selective-alt`` needs two of a kind)."""
 
 SAMPLED_STEP = "sampled"
 """The explored step that runs the ``SAMPLED`` choices on one region of each kind."""
+
+HEAD_MODE = "head"
+"""The part outside the regions a sharded model is offered besides keeping it: ``acshim.head``'s
+``head`` mode (the LM head and its cross-entropy in chunks of the sequence, the head recomputed in
+backward: the logits are not kept), where the model has a head it can run."""
+
+HEAD_STEP = "outside:head"
+"""The explored step that runs every region recomputed and the part outside them as ``HEAD_MODE``."""
 
 PHASE_UNIT = 1 << 20
 """Phase peaks are rounded up to this: a few pages of noise between runs must not reorder plans
@@ -311,10 +322,20 @@ def sampled_choices(session: PlanningContext) -> list[str]:
     return [choice for choice in SAMPLED if choice in offered]
 
 
+def head_modes(root: nn.Module | None) -> list[str]:
+    """``[HEAD_MODE]`` where ``root`` has an LM head ``acshim.head`` can run (and its own forward is
+    not checkpointed whole), else none."""
+    if root is None or checkpointed_forward_of(root) is not None:
+        return []
+    return [choice for choice in outside_choices(root, []) if choice == HEAD_MODE]
+
+
 def explore_steps(session: PlanningContext) -> int:
-    """The steps ``session``'s sharded model is explored on before its plan (also after it stopped)."""
+    """The steps ``session``'s sharded model is explored on before its plan (also after it stopped;
+    at most: the sampled step is skipped where no sample fits)."""
     device = device_of(session.root) if session.root is not None else torch.device("cpu")
-    return EXPLORE_STEPS + len(storage_choices(session, device)) + (1 if sampled_choices(session) else 0)
+    return (EXPLORE_STEPS + len(storage_choices(session, device)) + (1 if sampled_choices(session) else 0)
+            + len(head_modes(session.root)))
 
 
 def _mark_backward(output: Any, index: int, peak: StepPeak) -> None:
@@ -369,6 +390,9 @@ class LockstepPlanner:
         explored on one step of its own after the recomputed ones (``explored``)."""
         self.sampled_choices = sampled_choices(session)
         """The choices explored on a sample of the regions, on one step after the storage choices'."""
+        self.head_modes = head_modes(root)
+        """The part outside the regions' choice besides keep (``HEAD_MODE``), explored on the last step."""
+        self._head_installed = False
         self.sampled_at: dict[str, dict[Any, int]] = {}
         """Per sampled choice, per kind of region (``self.keys``' values), the region run as it."""
         self.sampled_saved: dict[str, dict[Any, int]] = {}
@@ -410,6 +434,9 @@ class LockstepPlanner:
         choice = self.step_choice
         if choice == SAMPLED_STEP:
             return self._explore_sampled(index, function, args, kwargs)
+        if choice == HEAD_STEP:
+            options = choice_options("recompute").replace(observer=_RegionMarks(index, self.measuring))
+            return run_region_now(function, args, kwargs, options)
         if choice != "recompute":
             return self._explore_stored(choice, index, function, args, kwargs)
         inputs = {key[0] for leaf in structures.flatten((args, kwargs))[0]
@@ -429,21 +456,23 @@ class LockstepPlanner:
         self.kept_forward[index] = max(self.kept_forward.get(index, 0), counter.kept_peak)
         return output
 
+    def _steps(self) -> list[str]:
+        """The explored steps in order, by what they run: the recomputed ones, one per storage choice,
+        the sampled one, the head's."""
+        return (["recompute"] * EXPLORE_STEPS + self.storage_choices + ([SAMPLED_STEP] if self.sampled_choices else [])
+                + ([HEAD_STEP] if self.head_modes else []))
+
     @property
     def explore_steps(self) -> int:
-        """Steps explored before the plan: the recomputed ones, then one per storage choice, then the
-        sampled one."""
-        return EXPLORE_STEPS + len(self.storage_choices) + (1 if self.sampled_choices else 0)
+        """Steps explored before the plan (``_steps``)."""
+        return len(self._steps())
 
     @property
     def step_choice(self) -> str:
-        """What every region of the step being explored runs as (``SAMPLED_STEP``: see ``SAMPLED``)."""
-        extra = self.explored - EXPLORE_STEPS
-        if 0 <= extra < len(self.storage_choices):
-            return self.storage_choices[extra]
-        if extra == len(self.storage_choices) and self.sampled_choices:
-            return SAMPLED_STEP
-        return "recompute"
+        """What the step being explored runs (a choice for every region, ``SAMPLED_STEP`` or
+        ``HEAD_STEP``)."""
+        steps = self._steps()
+        return steps[self.explored] if self.explored < len(steps) else "recompute"
 
     def _explore_sampled(self, index: int, function: Callable[..., Any], args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:
@@ -556,9 +585,12 @@ class LockstepPlanner:
         self.peaks.append(peak)
         session = self.session
         if self.exploring:
+            self._run_outside("keep")  # after the head's step
             self.explored += 1
-            if self.explored == self.explore_steps - 1 and self.sampled_choices:
+            if self.step_choice == SAMPLED_STEP:
                 self._choose_samples()  # (none fit: the sampled step is skipped)
+            if self.step_choice == HEAD_STEP and self.explored < self.explore_steps:
+                self._run_outside(HEAD_MODE)
             if self.explored < self.explore_steps:
                 self._measure_next_step()
                 return None
@@ -597,6 +629,7 @@ class LockstepPlanner:
         self.saved, self.seconds, self.phase_peaks, self.kept_forward = {}, {}, {}, {}
         self.runs, self.run_peaks, self.sampled_at, self.sampled_saved = {}, {}, {}, {}
         self.sampled_choices = sampled_choices(self.session)
+        self._run_outside("keep")
         self.exploring, self.explored, self.verifications = True, 0, 0
         self._measure_next_step()
 
@@ -613,6 +646,14 @@ class LockstepPlanner:
         """Stop measuring and watching the steps (the session ends)."""
         self._outer.remove()
         self._drop_measurement()
+        self._run_outside("keep")
+
+    def _run_outside(self, mode: str) -> None:
+        """The part outside the regions run as ``mode`` (``keep`` or ``HEAD_MODE``) for the explored
+        steps (a plan's own part outside is the session's)."""
+        if (mode != "keep") != self._head_installed:
+            install_outside(self.root, mode)
+            self._head_installed = mode != "keep"
 
     def _drop_measurement(self) -> None:
         if self.measuring is not None:
@@ -643,6 +684,8 @@ class LockstepPlanner:
             blocks, other_held, outside = self._blocks_explored(names, forwards, peak, explored, sampled)
         else:
             blocks, other_held, outside = self._recomputed_blocks(names, forwards, peak)
+        heads = {HEAD_MODE: self._head_entry(len(names), peak, other_held, explicit=bool(explored or sampled))
+                 } if HEAD_STEP in self.runs else {}
         owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
         method = METHOD
         if explored:
@@ -651,13 +694,16 @@ class LockstepPlanner:
         if sampled:
             method = method.replace("the plan's first step", f"then one step ran one region of each kind "
                                                              f"{' and one '.join(sampled)}; the plan's first step")
+        if heads:
+            method = method.replace("the plan's first step", "then one step ran the LM head and loss in chunks "
+                                                             "(acshim.head, head mode); the plan's first step")
         # rank 0's: FSDP1's flat-parameter shards give each rank different parameter shapes
         signature: list[Any] = [model_signature(self.root, owners)]
         dist.broadcast_object_list(signature, src=0)
         profile = Profile(blocks=blocks, choices=[*CHOICES, *sampled, *explored], other_held=other_held,
                           other_transient=outside, other_seconds=0.0, signature=signature[0],
                           prefetch=session.prefetch, method=method,
-                          recompute_step={"saved": sum(self.saved.values()), "peak": peak})
+                          recompute_step={"saved": sum(self.saved.values()), "peak": peak}, outside=heads)
         agreed = agree_profile(profile, self.device)
         agreed.method += f"; agreed across {dist.get_world_size()} ranks (each number the largest any rank measured)"
         return agreed
@@ -685,6 +731,22 @@ class LockstepPlanner:
                                        saved=saved))
         outside = max(phases.get("forward", peak), phases.get("head", peak), phases.get("stem", 0))
         return blocks, 0, outside
+
+    def _head_entry(self, count: int, peak: int, other_held: int, explicit: bool) -> dict[str, float]:
+        """The part outside the regions run as ``HEAD_MODE``, from its step (every region recomputed),
+        as the profile's ``outside`` entry: held as kept (what the stem leaves, the same either way),
+        its transient as that step measured it (with the regions' held bytes explicit: beyond them,
+        ``ChoiceSteps.outside``; else every phase outside the regions, as ``_recomputed_blocks``
+        counts keep's), and its time beyond keep's (the forward after the regions, the loss, the
+        head's backward: never less than nothing, as a faster measurement is noise)."""
+        run, recomputed = self.runs[HEAD_STEP], self.runs["recompute"]
+        if explicit:
+            transient = rounded(run.outside(count, run.held(count), peak), PHASE_UNIT)
+        else:
+            transient = _rounded(max(run.phases.get("forward", peak), run.phases.get("head", peak),
+                                     run.phases.get("stem", 0)))
+        spent = [sum(steps.seconds.get(phase, 0.0) for phase in ("forward", "head")) for steps in (run, recomputed)]
+        return {"held": other_held, "transient": transient, "seconds": max(0.0, spent[0] - spent[1])}
 
     def _sampled_offered(self, count: int) -> list[str]:
         """The ``SAMPLED`` choices every kind of region was run as, on every rank (a collective:

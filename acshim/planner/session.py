@@ -626,10 +626,14 @@ class PlanSession:
             self.plan, self.mode = plan, Mode.PLANNED
             self._budget_bytes = plan.budget
             self._use_schedules(plan)
+            if plan.outside != self._outside:  # the head and loss in chunks (lockstep.HEAD_MODE), or back
+                self.run_outside(root, plan.outside, self._shared)
         if self.mode == Mode.EXPLORE:
             self._planned_shapes = _largest(self._planned_shapes, shapes)
         elif agree_bytes(int(_larger(shapes, self._planned_shapes)), device_of(root)):
             self._planned_shapes = _largest(self._planned_shapes, shapes)
+            if self._outside != "keep":  # explored as the model's own part outside the regions
+                self.run_outside(root, "keep")
             lockstep.explore_again()
             self.mode = Mode.EXPLORE
             if rank() == 0 and not self.api:
