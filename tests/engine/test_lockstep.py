@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import acshim
-from acshim import region
+from acshim import region, selective
 from acshim.planner import lockstep
 from acshim.planner import session as session_module
 from acshim.planner.choices import BASE_CHOICES
+from acshim.planner.plan import Plan
 from acshim.planner.session import PlanSession
 from acshim.testing import GPT, assert_bitwise_equal, seeded, train_step
 
@@ -117,7 +118,8 @@ def test_a_budget_below_the_least_plan_is_refused_after_the_explored_steps(one_r
     assert region.ROUTERS == []
 
 
-def test_selective_choices_are_sampled_on_one_block_of_each_kind_and_planned_bitwise(one_rank_as_sharded) -> None:
+def test_selective_choices_are_sampled_on_one_block_of_each_kind_and_planned_bitwise(one_rank_as_sharded,
+                                                                                    monkeypatch) -> None:
     """The sampled step runs the last block selective, the one before it selective-alt and the rest
     recomputed; the other blocks take the sampled block's difference from recompute, so the solver
     can plan selective-op on a sharded model. Every step, the sampled and the planned ones included,
@@ -130,10 +132,13 @@ def test_selective_choices_are_sampled_on_one_block_of_each_kind_and_planned_bit
     explored = lockstep.explore_steps(session)
     assert explored == lockstep.EXPLORE_STEPS + 1  # the recomputed steps, then the sampled one
     plans = []
-    for _ in range(explored + 3):  # a plan measured over the budget is solved again for the next step
+    # until the plan is verified (one measured over the budget is solved again for the next step)
+    for _ in range(explored + 2 + session.retries):
         assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
         if session.plan is not None and session.plan not in plans:
             plans.append(session.plan)
+        if plans and session._lockstep.measuring is None:
+            break
     planner, plan = session._lockstep, plans[0]
     # one block each, the last ones (their saved tensors are freed first in backward), as many
     # choices as the budget left room for: selective first
@@ -144,10 +149,18 @@ def test_selective_choices_are_sampled_on_one_block_of_each_kind_and_planned_bit
     for block in plan.profile.blocks:  # a selective block holds its input, as recompute, and less than keep
         assert block.held["recompute"] <= block.held["selective"] <= block.held["keep"], block
         assert block.seconds["keep"] <= block.seconds["selective"] <= block.seconds["recompute"], block
-    assert {"selective", "selective-alt"} & set(plan.choices), plan.choices
-    assert plan.measured_process_peak is not None  # the selective plan ran and was measured
-    if len(plans) == 1:  # not solved again: it was within the budget
-        assert plan.measured_process_peak <= plan.budget
+    assert plan.measured_process_peak is not None  # the first plan ran and was measured
+    # whichever the solver chose on this machine's timings, a plan of the sampled choices runs exactly
+    # on the sharded path (run_choice), the sampled blocks' and the others alike
+    assert planner.measuring is None  # done measuring
+    session.plan = Plan.from_choices(plans[-1], ["selective", offered[-1], "selective", "recompute"])
+    made = []
+    contexts = selective.create_selective_checkpoint_contexts
+    monkeypatch.setattr(selective, "create_selective_checkpoint_contexts",
+                        lambda *args, **kwargs: made.append(1) or contexts(*args, **kwargs))
+    for _ in range(2):
+        assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
+    assert len(made) == 2 * 3, made  # three selective blocks a step, each through torch's selective checkpoint
 
 
 def test_regions_that_gather_their_own_parameters_are_not_sampled_selective(one_rank_as_sharded) -> None:

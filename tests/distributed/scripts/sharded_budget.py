@@ -186,11 +186,8 @@ def main() -> None:
     import acshim
 
     sessions = list(acshim.region.ROUTERS)
-    for session in sessions:  # the run without checkpointing goes unplanned
-        acshim.region.ROUTERS.remove(session)
     none: list[int] = []
-    reference = train(args.engine, False, rows, none)
-    acshim.region.ROUTERS.extend(sessions)
+    reference = unplanned(lambda: train(args.engine, False, rows, none))
     peaks: list[int] = []
     weights = train(args.engine, True, rows, peaks)
     result = {"rank": dist.get_rank(), "equal": all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True)),
@@ -199,6 +196,24 @@ def main() -> None:
         session = sessions[0]
         result.update(choices=session.plan.choices, budget=session.plan.budget, reference=session.plan.reference_peak,
                       measured=session._lockstep.peaks if session._lockstep else None, replans=session.replans)
+    report(result)
+
+
+def unplanned(run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """``run()`` with acshim's planning sessions set aside: the run without checkpointing goes unplanned."""
+    import acshim
+
+    sessions = list(acshim.region.ROUTERS)
+    for session in sessions:
+        acshim.region.ROUTERS.remove(session)
+    try:
+        return run()
+    finally:
+        acshim.region.ROUTERS.extend(sessions)
+
+
+def report(result: dict[str, object]) -> None:
+    """Print this rank's ``RESULT`` line, then end the process group cleanly."""
     print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()

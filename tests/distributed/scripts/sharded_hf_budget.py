@@ -9,11 +9,16 @@ part outside the blocks (``outside``)."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
-from sharded_budget import _kib, _step_start, fsdp2_weights  # this folder is the script's: sys.path[0]
+from sharded_budget import (  # the script's folder: sys.path[0]
+    _kib,
+    _step_start,
+    fsdp2_weights,
+    report,
+    unplanned,
+)
 from torch import nn
 
 SEQUENCE = 128
@@ -61,11 +66,8 @@ def main() -> None:
     import acshim
 
     sessions = list(acshim.region.ROUTERS)
-    for session in sessions:  # the run without checkpointing goes unplanned
-        acshim.region.ROUTERS.remove(session)
     none: list[int] = []
-    reference = train(False, rows, none)
-    acshim.region.ROUTERS.extend(sessions)
+    reference = unplanned(lambda: train(False, rows, none))
     peaks: list[int] = []
     weights = train(True, rows, peaks)
     result = {"rank": dist.get_rank(), "equal": all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True)),
@@ -76,12 +78,7 @@ def main() -> None:
         result.update(choices=plan.choices, outside=plan.outside, budget=plan.budget,
                       offered=["keep", *plan.profile.outside], predicted=plan.peak,
                       measured=session._lockstep.peaks if session._lockstep else None)
-    print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    from acshim.exit_settle import settle_collective_threads
-
-    settle_collective_threads()
+    report(result)
 
 
 if __name__ == "__main__":
