@@ -498,7 +498,8 @@ class LockstepPlanner:
         """Before the sampled step (every rank at once): the last region of each kind runs the
         first ``SAMPLED`` choice, the one before it the second, as many choices as fit the budget
         by the step's predicted peak: each recomputed phase's peak plus what the sampled regions
-        alive then would save kept (``SavedCounter``, more than selective-op saves). Where not
+        alive then would save kept (``SavedCounter``: an estimate, as a selective region caches
+        matmul outputs keep may not save; the step itself is measured). Where not
         even one fits, or a region's own call gathers parameters (``sites.gathers_inside``: ZeRO-3,
         or ``fully_shard`` inside the checkpointed module; a forward whose parameters were
         prefetched and a recompute that gathers them run different operators, and torch's
@@ -764,8 +765,8 @@ class LockstepPlanner:
         """Every choice's held bytes explicit (``explored``): recompute's and each storage choice's
         from its own step, keep's as recompute's plus what ``SavedCounter`` counted, a sampled
         choice's (``SAMPLED``) as recompute's plus what its kind's sampled region held, and had as
-        transient, beyond the same region recomputed (held: never below recompute's, never above
-        keep's); the part outside
+        transient, beyond the same region recomputed (held: never below recompute's; not above keep's
+        where it was not counted); the part outside
         the regions holds the most any step held when its first region started. Times: keep and
         recompute as without storage choices; a storage choice adds what its step's region took
         beyond the same work recomputed (``offload``: beyond keep's, the recompute-and-backward
@@ -821,14 +822,16 @@ class LockstepPlanner:
                     block.window[choice] = window
             for choice in sampled:
                 at = self.sampled_at[choice][keys[index]]
-                # it holds its input, as recompute, and the outputs its policy saved (counted; else
-                # what the sampled region's forward left behind beyond recompute's), within keep's
+                # it holds its input, as recompute, and the outputs its policy saved: counted (some of
+                # them keep would not save, a matmul output added to the residual), else what the
+                # sampled region's forward left behind beyond recompute's, a page-noisy figure kept
+                # within keep's
                 more = self.sampled_saved.get(choice, {}).get(keys[index])
+                ceiling = INFEASIBLE if more is not None else block.held["keep"]
                 if more is None:
                     more = steps[SAMPLED_STEP][at] - measured["recompute"][at]
-                block.held[choice] = min(block.held["keep"],
-                                         max(held["recompute"][index], rounded(measured["recompute"][index] + more,
-                                                                              HELD_UNIT)))
+                block.held[choice] = min(ceiling, max(held["recompute"][index],
+                                                      rounded(measured["recompute"][index] + more, HELD_UNIT)))
                 block.transient[choice] = max(0, transient["recompute"][index] + sampled_transient[at]
                                               - transient["recompute"][at])
                 faster = self.runs[SAMPLED_STEP].region_seconds(at) - plain[at]

@@ -37,10 +37,11 @@ def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_e
     assert ranks[0]["choices"] == ranks[1]["choices"], ranks            # one plan, rank 0's
     assert set(ranks[0]["choices"]) & set(STORAGE), ranks               # the storage tier made it fit
     for r in ranks:
-        # explored steps (the sampled one skipped where no selective block fits), then one verification
-        assert len(r["measured"]) in (EXPLORED, EXPLORED + 1), r
+        # explored steps (the sampled one skipped where no selective block fits, none then offered)
+        assert r["explored"] == EXPLORED - 1 + bool({"selective", "selective-alt"} & set(r["offered"])), r
+        assert len(r["measured"]) == r["explored"] + 1, r               # then one verification
         assert max(r["measured"][:2]) > r["budget"], r                  # full recompute alone would not fit
-        assert max(r["peaks"][len(r["measured"]) - 1:]) <= r["budget"], r  # every planned step within, by VmHWM
+        assert max(r["peaks"][r["explored"]:]) <= r["budget"], r         # every planned step within, by VmHWM
     assert "(0." in result.stderr and "of the budget, within it)" in result.stderr, result.stderr[-3000:]
 
 
@@ -57,7 +58,7 @@ def test_fsdp1_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(lau
     assert ranks[0]["choices"] == ranks[1]["choices"] and "choices" in ranks[0], ranks
     assert set(ranks[0]["choices"]) != {"recompute"}, ranks             # the budget left room to keep or offload
     for r in ranks:
-        assert max(r["peaks"][len(r["measured"]) - 1:]) <= r["budget"], r
+        assert max(r["peaks"][r["explored"]:]) <= r["budget"], r
 
 
 def test_fsdp2_is_offered_selective_op_sampled_on_its_last_block_within_the_budget(launch, torchrun, tmp_path) -> None:

@@ -195,7 +195,9 @@ def main() -> None:
     if sessions and sessions[0].plan is not None:
         session = sessions[0]
         result.update(choices=session.plan.choices, budget=session.plan.budget, reference=session.plan.reference_peak,
-                      measured=session._lockstep.peaks if session._lockstep else None, replans=session.replans)
+                      measured=session._lockstep.peaks if session._lockstep else None, replans=session.replans,
+                      offered=session.plan.profile.choices,
+                      explored=session._lockstep.explore_steps if session._lockstep else None)
     report(result)
 
 
