@@ -118,7 +118,7 @@ class BudgetTooSmall(ValueError):
         ``overhead``, what the process held besides), so a budget with it, and room for what
         tensors do not show, plans; else ``UNMEASURED`` times what the forward would have held."""
         error = cls.__new__(cls)
-        error.budget, error.minimum = 0, INFEASIBLE
+        error.budget, error.minimum, error.overhead, error.profile = 0, INFEASIBLE, overhead, None
         error.parts = [(f"{stop.what}: {stop.operator or 'an operator'} would have made", stop.size)] if stop.size else []
         error.suggested = (int((no_checkpointing + overhead) * (1 + 2 * cls.MARGIN)) if no_checkpointing
                            else UNMEASURED * stop.used)
@@ -131,7 +131,9 @@ class BudgetTooSmall(ValueError):
         return error
 
     def __init__(self, budget: int, minimum: int, overhead: int = 0, profile: Profile | None = None) -> None:
-        self.budget, self.minimum = budget, minimum
+        self.budget, self.minimum, self.overhead = budget, minimum, overhead
+        self.profile = profile
+        """The profile solved (``None`` where the forward alone went over): what the minimum is of."""
         self.parts = breakdown(profile, overhead) if profile is not None and minimum < INFEASIBLE else []
         self.suggested = int(minimum * (1 + self.MARGIN)) if minimum < INFEASIBLE else 0
         if minimum >= INFEASIBLE:

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import importlib
 import itertools
+import math
 import random
 
 import pytest
@@ -333,8 +334,14 @@ def test_recompute_offload_is_measured_only_when_a_plan_within_reach_could_take_
     assert everything.profile.unmeasured == [] and not any(n.startswith("not measured") for n in everything.notes)
     with pytest.raises(BudgetTooSmall) as measured:
         plan(small_gpt(), ids, budget=0.3, memory="tensors")
-    # the same least peak: measured later, the outside part's held bytes may differ by a few hundred bytes
-    assert abs(deferred.value.minimum - measured.value.minimum) <= 1024
+    # the refusal measured what was deferred, and names the least peak of the whole profile (with the
+    # verification's headroom). Not compared across the two runs by value: an offload choice's
+    # transient holds what its copies still have in flight when measured, which varies run to run
+    for refusal in (deferred.value, measured.value):
+        assert refusal.profile.unmeasured == [] and refusal.profile.choices == everything.profile.choices
+        assert all(feasible(b, "recompute+offload:disk") for b in refusal.profile.blocks)
+        least = math.ceil((minimum_peak(refusal.profile) + refusal.overhead) / (1 - plan_module.HEADROOM))
+        assert refusal.minimum == least
     for block in everything.profile.blocks:
         in_flight = min(SharedOffload.IN_FLIGHT, 2 * block.saved)
         bound = min(block.transient["recompute"], max(block.transient["offload:disk"], in_flight))
