@@ -779,6 +779,10 @@ class LockstepPlanner:
         keys = [self.keys.get(index, index) for index in range(count)]
         recomputed = self.runs["recompute"]
         measured = {choice: self.runs[choice].held(count) for choice in ["recompute", *explored]}
+        resident = {choice: list(sizes) for choice, sizes in measured.items()}
+        """What each step's regions left behind, the offload window included: resident while the
+        part outside the regions runs, so its transient is taken above it (the solver adds the
+        window back to the outside part wherever a plan offloads, ``solver``'s peak formula)."""
         window = 0
         for choice in explored:
             if choice.startswith("offload") and measured[choice]:
@@ -789,7 +793,7 @@ class LockstepPlanner:
         held = {choice: [rounded(size, HELD_UNIT) for size in sizes] for choice, sizes in measured.items()}
         transient = {choice: self.runs[choice].transients(count, sizes, peak, PHASE_UNIT)
                      for choice, sizes in measured.items()}
-        steps = dict(measured)  # what each explored step held per region (the sampled one's mixed)
+        steps = resident  # what each explored step held per region (the sampled one's mixed)
         if sampled:
             steps[SAMPLED_STEP] = self.runs[SAMPLED_STEP].held(count)
             sampled_transient = self.runs[SAMPLED_STEP].transients(count, steps[SAMPLED_STEP], peak, PHASE_UNIT)

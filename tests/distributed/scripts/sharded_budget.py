@@ -196,7 +196,7 @@ def main() -> None:
         session = sessions[0]
         result.update(choices=session.plan.choices, budget=session.plan.budget, reference=session.plan.reference_peak,
                       measured=session._lockstep.peaks if session._lockstep else None, replans=session.replans,
-                      offered=session.plan.profile.choices,
+                      offered=session.plan.profile.choices, predicted=session.plan.peak + session.plan.overhead,
                       explored=session._lockstep.explore_steps if session._lockstep else None)
     report(result)
 
