@@ -10,7 +10,10 @@ at most held-after-forward plus the largest transient (the simpler bound), and t
 blocks share one schedule (``choices.SharedOffload``): its resident window (the last offloaded
 block's last tensors, or an earlier one's prefetched ahead) is added to the transient of every
 block that is not offloaded after the first offloaded one, and to the outside transient when any
-block is offloaded (an offloaded block's own transient was measured among offloaded blocks).
+block is offloaded (an offloaded block's own transient was measured among offloaded blocks). The
+copies it lets be in flight add to such a block's forward only (``profile.block_term``: its
+forward's own peak is measured apart; backward's reads wait for a block's own copies, and earlier
+copies finish first), and to the outside transient.
 
 The part outside the blocks has choices too: ``keep``, or its saved tensors offloaded through the
 same shared schedule (``Profile.outside``, measured with the blocks recomputed). Offloaded, its
@@ -54,8 +57,8 @@ the blocks is treated alike (kept, then offloaded, then chunked heads). A larger
 the objective; the predicted time may rise within near-ties (a preferred choice that now fits).
 
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
-block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
-window) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
+block came before": choosing block i's option is allowed only if prefix + held + its term
+(``block_term``: the transient, with the window after an offloaded block) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
 rounded up, so a larger budget only ever adds feasible plans: the optimum's objective never increases,
 and the prediction errs towards more memory.
 """
@@ -70,7 +73,7 @@ import numpy as np
 
 from .budget import format_bytes
 from .choices import is_offload, split_outside
-from .profile import INFEASIBLE, Profile, feasible
+from .profile import INFEASIBLE, Profile, block_term, feasible
 
 UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
@@ -164,20 +167,24 @@ def _up(size: int, unit: int) -> int:
     return -(-size // unit)
 
 
-def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep") -> int:
-    """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up)."""
+def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep", extra_in_flight: int = 0) -> int:
+    """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up), with
+    ``extra_in_flight`` bytes of copies in flight beyond the profile's own (``Plan.in_flight``)."""
     unit = unit_of(profile)
     other_held, other_transient, _ = profile.other(outside)
-    window, seen, first = _up(profile.window(), unit) * unit, False, is_offload(outside)
+    window, seen, first = _up(profile.window() + extra_in_flight, unit) * unit, False, is_offload(outside)
+    resident, in_flight = profile.schedule()
     if other_held >= INFEASIBLE or not all(feasible(b, c) for b, c in zip(profile.blocks, assignment, strict=True)):
         return INFEASIBLE
     prefix, worst = 0, 0
     for block, choice in zip(profile.blocks, assignment, strict=True):
         prefix += _up(block.held[choice], unit) * unit
-        worst = max(worst, prefix + _up(block.transient[choice], unit) * unit
-                    + (window if (seen or first) and not is_offload(choice) else 0))
+        term = block_term(block, choice, seen or first, resident, in_flight, extra_in_flight)
+        worst = max(worst, prefix + _up(term, unit) * unit)
         seen = seen or is_offload(choice)
-    return other_held + max(worst, prefix + other_transient + (window if seen else 0))
+    # the outside part offloaded alone: its transient holds the profile's copies in flight, not the extra
+    schedule = window if seen else (extra_in_flight if first else 0)
+    return other_held + max(worst, prefix + other_transient + schedule)
 
 
 def minimum_peak(profile: Profile) -> int:
@@ -269,17 +276,19 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
     if room < other_transient:
         return None
     window = _up(profile.window(), unit)
+    resident, in_flight = profile.schedule()
     size = room // unit
     final = [(room - other_transient) // unit, (room - other_transient) // unit - window]
     usable = np.array([[feasible(b, c) for c in choices] for b in profile.blocks], dtype=bool)
     held = np.array([[_up(b.held[c], unit) if feasible(b, c) else 0 for c in choices] for b in profile.blocks],
                     dtype=np.int64)
-    transient = np.array([[_up(b.transient[c], unit) if feasible(b, c) else 0 for c in choices]
-                          for b in profile.blocks], dtype=np.int64)
+    # per block and choice, its term (``block_term``) before any offloaded block [0] and after one [1]
+    transient = np.array([[[_up(block_term(b, c, after, resident, in_flight), unit) if feasible(b, c) else 0
+                            for c in choices] for b in profile.blocks] for after in (False, True)], dtype=np.int64)
     seconds = _ranked(profile, choices)
     offloads = [is_offload(c) for c in choices]
     most = int(held.max(axis=1).sum())
-    size = min(size, most + int(transient.max()) + window)
+    size = min(size, most + int(transient.max()))
     # dp[seen, prefix]: least seconds so far; seen = an offloaded block came before
     dp = np.full((2, size + 1), np.inf)
     dp[0, 0] = 0.0
@@ -292,7 +301,7 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
                 continue
             weight = int(held[block, choice])
             for seen in (0, 1):
-                extra = int(transient[block, choice]) + (window if (seen or first) and not offloads[choice] else 0)
+                extra = int(transient[int(seen or first), block, choice])
                 limit = size - weight - extra  # largest prefix before this block that still fits
                 if limit < 0:
                     continue
