@@ -810,3 +810,30 @@ def test_copies_in_flight_are_charged_to_the_forward_peak_only(phase):
     else:
         assert found.forward >= 16 << 20
         assert with_copies_in_flight(found, in_flight) == found.forward + in_flight
+
+
+def test_of_plans_equally_fast_the_one_holding_least_is_taken():
+    """Choices whose predicted times tie exactly (near-ties raised to one value) are told apart by
+    memory: the plan is the one the least budget gives, not the first in the order at the budget's
+    edge, where a few bytes of noise would change it from one process to the next."""
+    blocks = [BlockProfile(f"b{i}", {"selective": 500, "recompute": 100}, {"selective": 10, "recompute": 10},
+                           {"selective": 2.0, "recompute": 2.0}) for i in range(2)]
+    profile = Profile(blocks, ["selective", "recompute"], 0, 0, 0.0, "x", 2)
+    for budget in (1010, 5000):  # at the edge of both selective and well above it
+        found = solve(profile, budget)
+        assert found.choices == ["recompute", "recompute"], budget
+        assert found.peak == rounded_peak(profile, ["recompute"] * 2)
+
+
+@pytest.mark.parametrize(("recompute_seconds", "outside"), [(1.06, "keep"), (1.2, "offload:disk")])
+def test_an_offloaded_outside_part_must_win_by_more_than_noise(recompute_seconds, outside):
+    """The part outside the blocks offloaded lets both blocks be kept: taken when the whole plan is
+    faster by more than ``TIE`` of the outside part's kept time, else the outside part is kept (a
+    near-tie between whole plans is not decided by noise)."""
+    blocks = [BlockProfile(f"b{i}", {"keep": 1000, "recompute": 100}, {"keep": 10, "recompute": 10},
+                           {"keep": 1.0, "recompute": recompute_seconds}) for i in range(2)]
+    profile = Profile(blocks, ["keep", "recompute"], other_held=900, other_transient=0, other_seconds=1.0,
+                      signature="x", prefetch=2, outside={"offload:disk": {"held": 100, "transient": 0, "seconds": 1.0}})
+    found = solve(profile, 2300)
+    assert found.outside == outside
+    assert sorted(found.choices) == (["keep", "keep"] if outside == "offload:disk" else ["keep", "recompute"])
