@@ -69,15 +69,6 @@ class ChoiceSteps:
             out.append(rounded(top - self.start - prefix, unit))
         return out
 
-    def forwards(self, count: int, held: list[int], peak: int, unit: int) -> list[int]:
-        """Per region, its forward phase's peak above the step's start and the held bytes up to it
-        (its own included): ``BlockProfile.forward``, what copies in flight add to."""
-        out, prefix = [], 0
-        for index in range(count):
-            prefix += held[index]
-            out.append(rounded(self.phases.get(f"forward:{index}", peak) - self.start - prefix, unit))
-        return out
-
     def region_seconds(self, index: int) -> float:
         """Region ``index``'s forward and (recompute and) backward, as timed in its phases."""
         return self.seconds.get(f"forward:{index}", 0.0) + self.seconds.get(index, 0.0)

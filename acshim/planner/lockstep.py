@@ -58,14 +58,7 @@ from ..region import run_region_now
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_every_rank, agree_profile
 from .budget import budget_at_least, format_bytes, parse_budget
-from .choices import (
-    SharedOffload,
-    choice_options,
-    expand_choices,
-    install_outside,
-    is_offload,
-    outside_choices,
-)
+from .choices import SharedOffload, choice_options, expand_choices, install_outside, outside_choices
 from .explored import HELD_UNIT, ChoiceSteps, median_per_key, rounded
 from .plan import HEADROOM, Plan, reference, solve_within
 from .process import Guard, ProcessMemory, trim
@@ -805,18 +798,12 @@ class LockstepPlanner:
             steps[SAMPLED_STEP] = self.runs[SAMPLED_STEP].held(count)
             sampled_transient = self.runs[SAMPLED_STEP].transients(count, steps[SAMPLED_STEP], peak, PHASE_UNIT)
         saved = [self.saved.get(index, 0) for index in range(count)]
-        # forward's own peaks (``BlockProfile.forward``: copies in flight add to them only), where the
-        # step measured them among blocks that offload nothing (an offload step's phases hold its copies)
-        ahead_of = {choice: self.runs[choice].forwards(count, sizes, peak, PHASE_UNIT)
-                    for choice, sizes in measured.items() if not is_offload(choice)}
         kept_prefix, kept = 0, []
         for index in range(count):
             kept_prefix += measured["recompute"][index]
-            ahead = max(_rounded(self.kept_forward.get(index, 0)), recomputed.phases.get(f"forward:{index}", peak))
-            top = max(ahead, recomputed.phases.get(index, peak))
+            top = max(_rounded(self.kept_forward.get(index, 0)), recomputed.phases.get(f"forward:{index}", peak),
+                      recomputed.phases.get(index, peak))
             kept.append(rounded(top - recomputed.start - kept_prefix - saved[index], PHASE_UNIT))
-            ahead_of.setdefault("keep", []).append(
-                rounded(ahead - recomputed.start - kept_prefix - saved[index], PHASE_UNIT))
         plain = median_per_key([recomputed.region_seconds(index) for index in range(count)], keys)
         backs = median_per_key([recomputed.seconds.get(index, 0.0) for index in range(count)], keys)
         extra = {choice: median_per_key([self.runs[choice].region_seconds(index) for index in range(count)], keys)
@@ -828,8 +815,7 @@ class LockstepPlanner:
                                                   "recompute": held["recompute"][index]},
                                  transient={"keep": kept[index], "recompute": transient["recompute"][index]},
                                  seconds={"keep": keep_seconds, "recompute": recompute_seconds},
-                                 saved=self.saved.get(index, 0),
-                                 forward={choice: sizes[index] for choice, sizes in ahead_of.items()})
+                                 saved=self.saved.get(index, 0))
             for choice in explored:
                 offloaded = choice.startswith("offload")
                 base = keep_seconds if offloaded else recompute_seconds

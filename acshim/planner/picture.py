@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .budget import format_bytes
 from .choices import is_offload
-from .profile import Profile, block_term
+from .profile import Profile
 
 MiB = 2**20
 COLOURS = {"none": "#7f7f7f", "recompute": "#1f77b4", "plan": "#2ca02c", "budget": "#d62728", "selective": "#9467bd",
@@ -28,12 +28,11 @@ def timeline(profile: Profile, assignment: list[str], outside: str = "keep") -> 
     ``profile.peak_of(assignment, outside)``."""
     other_held, other_transient, _ = profile.other(outside)
     window, first = profile.window(), is_offload(outside)
-    resident, in_flight = profile.schedule()
     points = [("start", 0)]
-    prefix, seen, prefixes, terms = 0, False, [], []
+    prefix, seen, prefixes, extras = 0, False, [], []
     for block, choice in zip(profile.blocks, assignment, strict=True):
         prefix += block.held[choice]
-        terms.append(block_term(block, choice, seen or first, resident, in_flight))
+        extras.append(window if (seen or first) and not is_offload(choice) else 0)
         seen = seen or is_offload(choice)
         prefixes.append(prefix)
         points.append((f"fwd {block.name}", prefix))
@@ -41,7 +40,7 @@ def timeline(profile: Profile, assignment: list[str], outside: str = "keep") -> 
     points.append(("forward end", other_held + prefix))
     for index in reversed(range(len(profile.blocks))):
         block, choice = profile.blocks[index], assignment[index]
-        points.append((f"bwd {block.name}", other_held + prefixes[index] + terms[index]))
+        points.append((f"bwd {block.name}", other_held + prefixes[index] + block.transient[choice] + extras[index]))
         points.append((f"after {block.name}", other_held + prefixes[index] - block.held[choice]))
     return points
 

@@ -167,9 +167,8 @@ class Plan:
                     f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
                     f"({self.seconds / ref_seconds:.2f}x)")
         if self.in_flight > SharedOffload.IN_FLIGHT:
-            rows.append(f"copies out in flight: up to {format_bytes(self.in_flight)} (room left under the budget: "
-                        f"{format_bytes(self.in_flight - SharedOffload.IN_FLIGHT)} beyond the tier's own, counted in "
-                        "forward's predicted peaks)")
+            rows.append(f"copies out in flight: up to {format_bytes(self.in_flight)} (room left under the budget; "
+                        f"{format_bytes(self.in_flight - SharedOffload.IN_FLIGHT)} of it in the predicted peak)")
         if self.measured_peak is not None:
             process = ("" if self.measured_process_peak is None
                        else f"; process peak above the step's start {format_bytes(self.measured_process_peak)}")
@@ -315,9 +314,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                              f"low by up to {format_bytes(budget_bytes - overhead - target)} and the tightened "
                              f"budget is below the least achievable peak {format_bytes(error.minimum + overhead)}"
                              ) from None
-        extra = _extra_in_flight(profile, found, target - found.peak)
-        peak = rounded_peak(profile, found.choices, found.outside, extra) if extra else found.peak
-        result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, peak,
+        extra = _extra_in_flight(found, target)
+        result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak + extra,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
                       notes=list(notes), outside=found.outside, overhead=overhead,
                       in_flight=SharedOffload.IN_FLIGHT + extra)
@@ -333,11 +331,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
             result.verified_seconds = verified.seconds
             # copies in flight add at most their own bytes to what was measured: the room the
             # measurement left (predictions of offloading plans run high) lets more be in flight
-            granted = result.in_flight - SharedOffload.IN_FLIGHT
-            widen = _extra_in_flight(profile, found, accept - seen, granted)
-            if widen:
-                result.in_flight += widen
-                result.peak = rounded_peak(profile, found.choices, found.outside, granted + widen)
+            widen = _extra_in_flight(found, found.peak + accept - seen, result.in_flight - SharedOffload.IN_FLIGHT)
+            result.in_flight, result.peak = result.in_flight + widen, result.peak + widen
             if target != accept - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")
             return result
@@ -358,29 +353,14 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                      f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
 
 
-def _extra_in_flight(profile: Profile, found: Solution, room: int, already: int = 0) -> int:
-    """Bytes of copies in flight an offloading solution may have beyond the profile's own and
-    ``already`` granted: the most, up to ``SharedOffload.MAX_IN_FLIGHT`` in all, that raise its
-    predicted peak (``rounded_peak``: copies in flight add to forward's peaks only) by at most
-    ``room`` (a tightened target after a plan measured over budget leaves less)."""
+def _extra_in_flight(found: Solution, target: int, already: int = 0) -> int:
+    """Bytes of copies in flight an offloading solution may have beyond the profiles' own and
+    ``already`` granted: the room between its predicted peak and ``target``, up to
+    ``SharedOffload.MAX_IN_FLIGHT`` in all (a tightened target after a plan measured over budget
+    leaves less room)."""
     if not any(is_offload(c) for c in [*found.choices, split_outside(found.outside)[0]]):
         return 0
-    base = rounded_peak(profile, found.choices, found.outside, already)
-
-    def fits(more: int) -> bool:
-        return rounded_peak(profile, found.choices, found.outside, already + more) - base <= room
-
-    low, high = 0, max(0, SharedOffload.MAX_IN_FLIGHT - SharedOffload.IN_FLIGHT - already)
-    if room < 0:
-        return 0
-    while low < high:  # the peak grows with the bytes in flight: the most that fits, by bisection
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low - low % IN_FLIGHT_STEP
-
-
-IN_FLIGHT_STEP = 64 << 10
-"""Extra bytes in flight are granted in steps of this (not the few bytes a prediction's rounding leaves)."""
+    return max(0, min(SharedOffload.MAX_IN_FLIGHT - SharedOffload.IN_FLIGHT - already, target - found.peak))
 
 
 class PlanFileMismatch(ValueError):

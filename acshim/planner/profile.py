@@ -48,30 +48,6 @@ class BlockProfile:
     shared_with: str | None = None
     window: dict[str, int] = field(default_factory=dict)
     saved: int = 0
-    forward: dict[str, int] = field(default_factory=dict)
-    """Per choice where measured, the forward's own peak above ``held`` (``ChoiceMeasurement.forward``):
-    the phase copies still in flight add to (``block_term``). Absent (the sharded planner's, a plan
-    file's before it): the copies in flight are added to the whole transient."""
-
-
-def block_term(block: BlockProfile, choice: str, after_offload: bool, resident: int, in_flight: int,
-               extra: int = 0) -> int:
-    """Bytes ``block`` adds above the held bytes of the blocks up to it (its own included) while it
-    runs as ``choice``: its transient, and the shared offload schedule's where a block before it
-    offloaded (``after_offload``, or the outside part did): the ``resident`` window throughout, and the
-    copies in flight (``in_flight``, ``extra`` beyond the profile's own where a plan lets more be) in
-    forward only, as backward's reads wait for a block's own copies and earlier copies finish first
-    (one queue). An offloaded block was measured among offloaded blocks: its transient holds the
-    window and its own copies in flight (``with_copies_in_flight``), so only ``extra`` adds, to its
-    forward. Where the forward was not measured apart, the copies add to the whole transient."""
-    transient, forward = block.transient[choice], block.forward.get(choice)
-    if is_offload(choice):
-        return transient + extra if forward is None else max(transient, forward + in_flight + extra)
-    if not after_offload:
-        return transient
-    if forward is None:
-        return transient + resident + in_flight + extra
-    return resident + max(transient, forward + in_flight + extra)
 
 
 def feasible(block: BlockProfile, choice: str) -> bool:
@@ -124,16 +100,10 @@ class Profile:
 
     def window(self) -> int:
         """Bytes the shared offload schedule holds besides the blocks' own, from the first offloaded
-        block on: its resident window and the copies it lets be in flight
+        block on: its resident window (largest over blocks) and the copies it lets be in flight
         (``SharedOffload.IN_FLIGHT``); 0 without an offload choice."""
         windows = [size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)]
         return max(windows) + self.in_flight() if windows else 0
-
-    def schedule(self) -> tuple[int, int]:
-        """``window()`` in its two parts, as ``block_term`` takes them: the resident window and the
-        copies in flight ((0, 0) without an offload choice)."""
-        windows = [size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)]
-        return (max(windows), self.in_flight()) if windows else (0, 0)
 
     def in_flight(self) -> int:
         """Bytes an offloading plan may have in flight: the tier's back-pressure bound, or what two
@@ -149,11 +119,11 @@ class Profile:
         block's own transient includes it: it was measured among offloaded blocks)."""
         other_held, other_transient, _ = self.other(outside)
         window, seen, first = self.window(), False, is_offload(outside)
-        resident, in_flight = self.schedule()
         prefix, worst = 0, 0
         for block, choice in zip(self.blocks, assignment, strict=True):
             prefix += block.held[choice]
-            worst = max(worst, prefix + block_term(block, choice, seen or first, resident, in_flight))
+            extra = window if (seen or first) and not is_offload(choice) else 0
+            worst = max(worst, prefix + block.transient[choice] + extra)
             seen = seen or is_offload(choice)
         return min(INFEASIBLE, other_held + max(worst, prefix + other_transient + (window if seen else 0)))
 

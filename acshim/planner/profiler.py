@@ -382,7 +382,7 @@ class RegionProfiler:
             if site.key in self._measured:
                 first = self._measured[site.key][0]
                 profiles.append(BlockProfile(name, first.held, first.transient, first.seconds, first.name,
-                                             first.window, site.saved, first.forward))  # shares the first one's tables
+                                             first.window, site.saved))  # shares the first one's tables
                 continue
             profile = BlockProfile(name, {c: INFEASIBLE for c in choices}, {c: INFEASIBLE for c in choices},
                                    {c: float("inf") for c in choices}, window={c: 0 for c in choices},
@@ -482,14 +482,12 @@ class RegionProfiler:
         for block in profile.blocks:
             pending, site = bounded.get(id(block.held), (set(), None))
             held, transient, seconds = dict(block.held), dict(block.transient), dict(block.seconds)
-            forward = dict(block.forward)
             for choice in pending:
                 recompute, offload = _bounds_of(choice, profile.choices)  # type: ignore[misc]
                 in_flight = _in_flight(site)
-                held[choice], seconds[choice], forward[choice] = 0, block.seconds[recompute], 0
+                held[choice], seconds[choice] = 0, block.seconds[recompute]
                 transient[choice] = min(block.transient[recompute], max(block.transient[offload], in_flight))
-            blocks.append(replace(block, held=held, transient=transient, seconds=seconds, window=dict(block.window),
-                                  forward=forward))
+            blocks.append(replace(block, held=held, transient=transient, seconds=seconds, window=dict(block.window)))
         outside = dict(profile.outside)
         for part in self.pending_outside:
             rest = split_outside(part)[0]
@@ -511,7 +509,6 @@ class RegionProfiler:
         in_flight = _in_flight(site) if moves_data(choice) else 0
         profile.held[choice], profile.transient[choice] = found.held, with_copies_in_flight(found, in_flight)
         profile.window[choice] = found.window
-        profile.forward[choice] = found.forward
         return True
 
     def needed_for(self, choices: list[str], outside: str) -> int:

@@ -10,10 +10,7 @@ at most held-after-forward plus the largest transient (the simpler bound), and t
 blocks share one schedule (``choices.SharedOffload``): its resident window (the last offloaded
 block's last tensors, or an earlier one's prefetched ahead) is added to the transient of every
 block that is not offloaded after the first offloaded one, and to the outside transient when any
-block is offloaded (an offloaded block's own transient was measured among offloaded blocks). The
-copies it lets be in flight add to such a block's forward only (``profile.block_term``: its
-forward's own peak is measured apart; backward's reads wait for a block's own copies, and earlier
-copies finish first), and to the outside transient.
+block is offloaded (an offloaded block's own transient was measured among offloaded blocks).
 
 The part outside the blocks has choices too: ``keep``, or its saved tensors offloaded through the
 same shared schedule (``Profile.outside``, measured with the blocks recomputed). Offloaded, its
@@ -57,8 +54,8 @@ the blocks is treated alike (kept, then offloaded, then chunked heads). A larger
 the objective; the predicted time may rise within near-ties (a preferred choice that now fits).
 
 The max is handled exactly by dynamic programming over blocks x prefix held bytes x "an offloaded
-block came before": choosing block i's option is allowed only if prefix + held + its term
-(``block_term``: the transient, with the window after an offloaded block) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
+block came before": choosing block i's option is allowed only if prefix + held + transient (+ the
+window) fits, and the final prefix must leave room for the outside transient. Bytes are counted in units fixed by the profile (not by the budget) and
 rounded up, so a larger budget only ever adds feasible plans: the optimum's objective never increases,
 and the prediction errs towards more memory.
 """
@@ -73,7 +70,7 @@ import numpy as np
 
 from .budget import format_bytes
 from .choices import is_offload, split_outside
-from .profile import INFEASIBLE, Profile, block_term, feasible
+from .profile import INFEASIBLE, Profile, feasible
 
 UNITS = 4096
 """Resolution of the held-bytes axis: the largest possible held total spans this many units."""
@@ -167,24 +164,20 @@ def _up(size: int, unit: int) -> int:
     return -(-size // unit)
 
 
-def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep", extra_in_flight: int = 0) -> int:
-    """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up), with
-    ``extra_in_flight`` bytes of copies in flight beyond the profile's own (``Plan.in_flight``)."""
+def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep") -> int:
+    """The predicted peak of ``assignment`` as the solver counts it (block bytes rounded up)."""
     unit = unit_of(profile)
     other_held, other_transient, _ = profile.other(outside)
-    window, seen, first = _up(profile.window() + extra_in_flight, unit) * unit, False, is_offload(outside)
-    resident, in_flight = profile.schedule()
+    window, seen, first = _up(profile.window(), unit) * unit, False, is_offload(outside)
     if other_held >= INFEASIBLE or not all(feasible(b, c) for b, c in zip(profile.blocks, assignment, strict=True)):
         return INFEASIBLE
     prefix, worst = 0, 0
     for block, choice in zip(profile.blocks, assignment, strict=True):
         prefix += _up(block.held[choice], unit) * unit
-        term = block_term(block, choice, seen or first, resident, in_flight, extra_in_flight)
-        worst = max(worst, prefix + _up(term, unit) * unit)
+        worst = max(worst, prefix + _up(block.transient[choice], unit) * unit
+                    + (window if (seen or first) and not is_offload(choice) else 0))
         seen = seen or is_offload(choice)
-    # the outside part offloaded alone: its transient holds the profile's copies in flight, not the extra
-    schedule = window if seen else (extra_in_flight if first else 0)
-    return other_held + max(worst, prefix + other_transient + schedule)
+    return other_held + max(worst, prefix + other_transient + (window if seen else 0))
 
 
 def minimum_peak(profile: Profile) -> int:
@@ -276,19 +269,17 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
     if room < other_transient:
         return None
     window = _up(profile.window(), unit)
-    resident, in_flight = profile.schedule()
     size = room // unit
     final = [(room - other_transient) // unit, (room - other_transient) // unit - window]
     usable = np.array([[feasible(b, c) for c in choices] for b in profile.blocks], dtype=bool)
     held = np.array([[_up(b.held[c], unit) if feasible(b, c) else 0 for c in choices] for b in profile.blocks],
                     dtype=np.int64)
-    # per block and choice, its term (``block_term``) before any offloaded block [0] and after one [1]
-    transient = np.array([[[_up(block_term(b, c, after, resident, in_flight), unit) if feasible(b, c) else 0
-                            for c in choices] for b in profile.blocks] for after in (False, True)], dtype=np.int64)
+    transient = np.array([[_up(b.transient[c], unit) if feasible(b, c) else 0 for c in choices]
+                          for b in profile.blocks], dtype=np.int64)
     seconds = _ranked(profile, choices)
     offloads = [is_offload(c) for c in choices]
     most = int(held.max(axis=1).sum())
-    size = min(size, most + int(transient.max()))
+    size = min(size, most + int(transient.max()) + window)
     # dp[seen, prefix]: least seconds so far; seen = an offloaded block came before
     dp = np.full((2, size + 1), np.inf)
     dp[0, 0] = 0.0
@@ -301,7 +292,7 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
                 continue
             weight = int(held[block, choice])
             for seen in (0, 1):
-                extra = int(transient[int(seen or first), block, choice])
+                extra = int(transient[block, choice]) + (window if (seen or first) and not offloads[choice] else 0)
                 limit = size - weight - extra  # largest prefix before this block that still fits
                 if limit < 0:
                     continue
@@ -361,18 +352,11 @@ def _outside_ranked(profile: Profile, choices: list[str]) -> dict[str, float]:
 
 
 def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]) -> tuple[float, Solution] | None:
-    """``(objective, solution)`` of the least-objective assignment fitting ``budget``. The outside
-    part's choices are tried in their order (kept, offloaded, chunked: ``_outside_ranked``), and a
-    later one's whole plan wins only by more than ``TIE`` of the outside part's kept time: the blocks'
-    choices can make up an outside choice's cost to within noise (HF GPT-2 8x384 at 0.3: five blocks
-    offloaded with two selective and the outside offloaded, against six offloaded, one selective and
-    the outside kept, 0.23 ms apart in 1.14 s), and such a near-tie is not decided by noise."""
+    """``(objective, solution)`` of the least-objective assignment fitting ``budget``."""
     best: tuple[float, Solution] | None = None
     table = _ranked(profile, choices)
     outside_table = _outside_ranked(profile, choices)
-    tolerance = float(np.round(1e6 * TIE * profile.other("keep")[2])) * _scale(profile, choices) \
-        if "keep" in profile.outside_choices() else 0.0
-    for outside in sorted(outsides, key=outside_table.__getitem__):
+    for outside in outsides:
         picked = _search(profile, budget, outside, choices)
         if picked is None:
             continue
@@ -380,7 +364,7 @@ def _best(profile: Profile, budget: int, choices: list[str], outsides: list[str]
         found = Solution(names, profile.held_of(names, outside), rounded_peak(profile, names, outside),
                          profile.seconds_of(names, outside), outside)
         objective = float(table[np.arange(len(names)), picked].sum()) + outside_table[outside]
-        if best is None or objective < best[0] - (tolerance if outside != best[1].outside else 0.0):
+        if best is None or objective < best[0]:
             best = (objective, found)
     return best
 
@@ -389,40 +373,8 @@ def fastest(profile: Profile, budget: int, outsides: list[str] | None = None) ->
     """The least-objective assignment fitting ``budget`` (the part outside the blocks as one of
     ``outsides``, default every measured choice), identical blocks in ``canonical`` order; None if
     none fits."""
-    outsides = profile.outside_choices() if outsides is None else outsides
-    found = _best(profile, budget, profile.choices, outsides)
-    if found is None:
-        return None
-    return canonical(profile, _least_peak_of_equal_time(profile, budget, outsides, found), budget)
-
-
-def _least_peak_of_equal_time(profile: Profile, budget: int, outsides: list[str],
-                              found: tuple[float, Solution]) -> Solution:
-    """Among the plans as fast as ``found`` (the same predicted time to the microsecond, near-ties
-    raised to one value, and the same outside choice), the one the least budget still gives (by
-    bisection: a smaller budget never gives a faster plan). Near-tied choices of a block, such as
-    ``selective-alt`` raised to ``offload``'s time, are then told apart by their memory, not by the
-    order alone: the order picked the one at the budget's edge (HF GPT-2 8x384 at 0.3: 0.01 MiB
-    below the target in one process and above it in the next, so two processes planned otherwise)."""
-    scale = _scale(profile, profile.choices)
-    time = found[0] // scale
-
-    def same(candidate: tuple[float, Solution] | None) -> bool:
-        return candidate is not None and candidate[0] // scale == time and candidate[1].outside == found[1].outside
-
-    low, high = 0, min(budget, found[1].peak)
-    best = found if high == found[1].peak else _best(profile, high, profile.choices, outsides)
-    if not same(best):
-        return found[1]
-    while low < high:
-        middle = (low + high) // 2
-        candidate = _best(profile, middle, profile.choices, outsides)
-        if same(candidate):
-            high, best = middle, candidate
-        else:
-            low = middle + 1
-    assert best is not None
-    return best[1]
+    found = _best(profile, budget, profile.choices, profile.outside_choices() if outsides is None else outsides)
+    return canonical(profile, found[1], budget) if found is not None else None
 
 
 def canonical(profile: Profile, found: Solution, budget: int) -> Solution:

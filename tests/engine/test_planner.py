@@ -721,13 +721,9 @@ def test_an_offloading_plan_lets_copies_be_in_flight_up_to_the_room_its_budget_l
     some = plan_module.solve_within(fast, int((peak + (1 << 20)) / accept) + 1, None)
     assert roomy.choices == tight.choices == some.choices == ["offload:disk"] * 4
     assert roomy.in_flight == SharedOffload.MAX_IN_FLIGHT and roomy.peak <= roomy.budget
-    assert tight.in_flight == SharedOffload.IN_FLIGHT and tight.peak == peak  # no room: the tier's own
+    assert tight.in_flight == SharedOffload.IN_FLIGHT
     assert SharedOffload.IN_FLIGHT < some.in_flight < SharedOffload.MAX_IN_FLIGHT
-    for found in (roomy, tight, some):  # the extra is in the prediction (in forward's peaks: at most its bytes)
-        extra = found.in_flight - SharedOffload.IN_FLIGHT
-        # (the window with the extra is rounded up to the solver's unit as one term: up to one unit more)
-        assert found.peak == rounded_peak(fast, found.choices, "keep", extra) <= peak + extra + solver.unit_of(fast)
-        assert found.peak <= found.budget * accept
+    assert some.peak - tight.peak == some.in_flight - SharedOffload.IN_FLIGHT  # the extra is in the prediction
     assert "copies out in flight: up to" in str(roomy) and "copies out in flight" not in str(tight)
     roomy.apply(model)
     try:
@@ -739,38 +735,15 @@ def test_an_offloading_plan_lets_copies_be_in_flight_up_to_the_room_its_budget_l
     from acshim.planner.profiler import Verification
 
     measured = plan_module.solve_within(fast, tight.budget, lambda c: Verification(0, 0, c.peak - (2 << 20), 1.0))
-    assert measured.in_flight >= SharedOffload.IN_FLIGHT + (2 << 20)
-    assert measured.peak == rounded_peak(fast, measured.choices, "keep", measured.in_flight - SharedOffload.IN_FLIGHT)
-    assert measured.peak - tight.peak <= 2 << 20  # widened by the room measured, no more
+    assert SharedOffload.IN_FLIGHT + (2 << 20) <= measured.in_flight <= SharedOffload.IN_FLIGHT + (2 << 20) + 64
+    assert measured.peak - tight.peak == measured.in_flight - SharedOffload.IN_FLIGHT
     over = plan_module.solve_within(fast, roomy.budget, lambda c: Verification(0, 0, 0, 1.0))
     assert over.in_flight == SharedOffload.MAX_IN_FLIGHT  # never beyond the tier's own bound
     roomy.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").in_flight == SharedOffload.MAX_IN_FLIGHT
     # a plan that offloads nothing has no schedule: nothing in flight beyond the profiles, whatever the room
-    assert plan_module._extra_in_flight(fast, solver.Solution(["keep"] * 4, 0, 0, 0.0), 1 << 40) == 0
-    if "offload:disk" in profile.outside_choices():
-        keep_blocks = solver.Solution(["keep"] * 4, 0, 0, 0.0, "offload:disk")
-        assert plan_module._extra_in_flight(profile, keep_blocks, 1 << 40) > 0
-
-
-def test_copies_in_flight_add_to_forwards_peak_not_to_a_later_blocks_backward():
-    """An offloading plan's copies in flight hold their tensors in forward; in backward a block's
-    reads wait for its own copies and earlier copies finish first. A kept block after an offloaded
-    one whose peak comes in backward is predicted with the schedule's resident window and no copies
-    in flight (so a plan letting more be in flight predicts no more for it); where its forward was
-    not measured apart (the sharded planner's profiles), the copies add to its whole transient."""
-    offloaded = BlockProfile("b0", {"offload:disk": 0}, {"offload:disk": 300}, {"offload:disk": 1.0},
-                             window={"offload:disk": 50}, forward={"offload:disk": 100})
-    kept = BlockProfile("b1", {"keep": 1000}, {"keep": 5000}, {"keep": 1.0}, forward={"keep": 100})
-    profile = Profile([offloaded, kept], ["offload:disk", "keep"], 0, 0, 0.0, "x", 2)
-    in_flight = profile.in_flight()
-    assert profile.schedule() == (50, in_flight) and in_flight == 2000  # what two blocks save, below the bound
-    assert profile.peak_of(["offload:disk", "keep"]) == 1000 + 50 + 5000  # backward's: no copies in flight
-    base = rounded_peak(profile, ["offload:disk", "keep"])
-    assert rounded_peak(profile, ["offload:disk", "keep"], "keep", 2900) == base   # forward's 100 + 2000 + 2900
-    assert rounded_peak(profile, ["offload:disk", "keep"], "keep", 3900) > base    # forward's is now the peak
-    unmeasured = dataclasses.replace(profile, blocks=[offloaded, dataclasses.replace(kept, forward={})])
-    assert unmeasured.peak_of(["offload:disk", "keep"]) == 1000 + 50 + in_flight + 5000
+    assert plan_module._extra_in_flight(solver.Solution(["keep"] * 4, 0, 0, 0.0), 1 << 40) == 0
+    assert plan_module._extra_in_flight(solver.Solution(["keep"] * 4, 0, 0, 0.0, "offload:disk+head"), 1 << 40) > 0
 
 
 class _ScratchInBackward(torch.autograd.Function):
@@ -811,30 +784,3 @@ def test_copies_in_flight_are_charged_to_the_forward_peak_only(phase):
     else:
         assert found.forward >= 16 << 20
         assert with_copies_in_flight(found, in_flight) == found.forward + in_flight
-
-
-def test_of_plans_equally_fast_the_one_holding_least_is_taken():
-    """Choices whose predicted times tie exactly (near-ties raised to one value) are told apart by
-    memory: the plan is the one the least budget gives, not the first in the order at the budget's
-    edge, where a few bytes of noise would change it from one process to the next."""
-    blocks = [BlockProfile(f"b{i}", {"selective": 500, "recompute": 100}, {"selective": 10, "recompute": 10},
-                           {"selective": 2.0, "recompute": 2.0}) for i in range(2)]
-    profile = Profile(blocks, ["selective", "recompute"], 0, 0, 0.0, "x", 2)
-    for budget in (1010, 5000):  # at the edge of both selective and well above it
-        found = solve(profile, budget)
-        assert found.choices == ["recompute", "recompute"], budget
-        assert found.peak == rounded_peak(profile, ["recompute"] * 2)
-
-
-@pytest.mark.parametrize(("recompute_seconds", "outside"), [(1.06, "keep"), (1.2, "offload:disk")])
-def test_an_offloaded_outside_part_must_win_by_more_than_noise(recompute_seconds, outside):
-    """The part outside the blocks offloaded lets both blocks be kept: taken when the whole plan is
-    faster by more than ``TIE`` of the outside part's kept time, else the outside part is kept (a
-    near-tie between whole plans is not decided by noise)."""
-    blocks = [BlockProfile(f"b{i}", {"keep": 1000, "recompute": 100}, {"keep": 10, "recompute": 10},
-                           {"keep": 1.0, "recompute": recompute_seconds}) for i in range(2)]
-    profile = Profile(blocks, ["keep", "recompute"], other_held=900, other_transient=0, other_seconds=1.0,
-                      signature="x", prefetch=2, outside={"offload:disk": {"held": 100, "transient": 0, "seconds": 1.0}})
-    found = solve(profile, 2300)
-    assert found.outside == outside
-    assert sorted(found.choices) == (["keep", "keep"] if outside == "offload:disk" else ["keep", "recompute"])
