@@ -271,9 +271,10 @@ def _end_of_plan(flags: RunFlags, session: PlanSession | None) -> int:
         steps = explore_steps(session)
         session.stop()
         ended = (f"acshim {verb}: --budget {flags.budget}: the script ended before its sharded model's plan "
-                 f"was made: it is planned on the script's own steps and needs {steps + 1} training steps "
-                 "(the first ones ran every region recomputed, then one per storage choice, then one sampling "
-                 "selective-op, then one with the LM head in chunks where the model has one)")
+                 f"was made: it is planned on the script's own steps and needs up to {steps + 1} training steps "
+                 "(the first two run every region with the least memory, recomputed with its input on the storage "
+                 "tier, then, where each fits the budget, one recomputed, one per other storage choice, one "
+                 "sampling selective-op, and one with the LM head in chunks where the model has one)")
         if verb == "plan":
             return _run_error(2, ended)
         from .patching.runner import print_error_line

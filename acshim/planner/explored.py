@@ -33,8 +33,11 @@ def rounded(size: int, unit: int) -> int:
 
 @dataclass
 class ChoiceSteps:
-    """What the explored steps run as one choice measured (the largest bytes over those steps, the
-    least seconds)."""
+    """What the explored steps run as one choice measured: the largest phase peaks over those steps,
+    the least seconds, and what the regions held (``held_after``, ``start``) as the latest step
+    left it: a process's first steps grow once (the storage tier's buffers and files, the engine's
+    own), which a later step does not repeat (FSDP2 run first as recompute+offload: the first two
+    regions 3 MiB more on the first step than on the second), and held bytes add up over regions."""
 
     phases: dict[str | int, int] = field(default_factory=dict)
     held_after: dict[int, int] = field(default_factory=dict)
@@ -45,9 +48,8 @@ class ChoiceSteps:
             seconds: dict[str | int, float]) -> None:
         for phase, size in phases.items():
             self.phases[phase] = max(self.phases.get(phase, 0), size)
-        for index, size in held_after.items():
-            self.held_after[index] = max(self.held_after.get(index, 0), size)
-        self.start = max(self.start, start or 0)
+        self.held_after = dict(held_after)
+        self.start = start or 0
         for phase, spent in seconds.items():
             self.seconds[phase] = min(self.seconds.get(phase, spent), spent)
 

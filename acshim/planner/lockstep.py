@@ -5,16 +5,20 @@ block's own hooks, so a block run alone while profiling (``profiler.RegionProfil
 them on one rank out of step with the others. A sharded model is therefore only ever run by the
 script's own steps, in lock-step on every rank:
 
-1. **Explore**: the step planning starts in, and the next (``EXPLORE_STEPS``), run every region
-   recomputed, the least memory a keep / recompute plan can have. Each region's forward counts what
-   keeping it would hold, and its forward's peak had it been kept (``SavedCounter``: chained to
-   torch checkpoint's own saved-tensor hooks, so nothing more is held), and is timed. The process's
-   memory above the step's start is measured per phase (``StepPeak``: each region's forward, each
-   region's recompute and backward, the rest), after every operator (``process.Guard``, recording
-   only: stopping one rank mid-step would leave the others waiting in a collective) and every
-   millisecond by a thread. Then, where the storage tier moves something (``storage_choices``), one
-   step runs every region ``offload:TIER`` and one ``recompute+offload:TIER``, measured the same
-   way, and one step runs one region of each kind ``selective`` and one ``selective-alt``
+1. **Explore**: the step planning starts in, and the next (``EXPLORE_STEPS``), run every region as
+   ``base``: recomputed with its input on the storage tier (``recompute+offload:TIER``), the least
+   memory any plan of these choices has (recomputed where no tier moves anything). Each region's
+   forward counts what keeping it would hold, and its forward's peak had it been kept
+   (``SavedCounter``: chained to torch checkpoint's own saved-tensor hooks, so nothing more is
+   held), and is timed. The process's memory above the step's start is measured per phase
+   (``StepPeak``: each region's forward, each region's recompute and backward, the rest), after
+   every operator (``process.Guard``, recording only: stopping one rank mid-step would leave the
+   others waiting in a collective) and every millisecond by a thread. Then, each only where its
+   peak predicted from the steps so far fits the budget (``_next_step``), one step runs every
+   region recomputed (counted the same way; where it does not fit, recompute's numbers come from
+   the base's: a region holds its output, and its backward fetches nothing back), one every region
+   as each other storage choice (``offload:TIER``, predicted from keep's numbers), and, after a
+   recomputed step only, one runs one region of each kind ``selective`` and one ``selective-alt``
    (``SAMPLED``); with them every choice's held bytes per region are explicit (``explored``).
    Where the model has an LM head ``acshim.head`` can run, a last step runs the head and loss in
    chunks (``HEAD_STEP``), so the part outside the regions is planned too.
@@ -29,9 +33,9 @@ script's own steps, in lock-step on every rank:
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
 memory and time. Limits (docs/cli.md): choices are keep, recompute, selective-op and the storage
 tier's per region, keep and the chunked head for the part outside them (not the head's loss mode,
-nor that part offloaded); the explored steps peak at their choices' peaks whatever the budget, so the budget
-holds from the first planned step; a budget below the least plan is refused after them, naming a
-budget that plans.
+nor that part offloaded); the first steps keep the part outside the regions, so a budget holds from
+the first step where that part fits it kept (else from the first planned step); a budget below the
+least plan is refused after them, naming a budget that plans.
 """
 
 from __future__ import annotations
@@ -53,7 +57,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from .. import region as engine
 from .. import structures
 from ..measure import storage_key
-from ..options import RegionOptions
 from ..region import run_region_now
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_every_rank, agree_profile
@@ -66,7 +69,7 @@ from .profile import INFEASIBLE, BlockProfile, Profile, block_key, model_signatu
 from .routing import PlanningContext
 from .sampled import SelectiveSaved
 from .sites import device_of, gathers_inside, outermost_module_on_stack, rank, site_names
-from .solver import BudgetTooSmall, minimum_peak
+from .solver import BudgetTooSmall, minimum_peak, rounded_peak
 
 CHOICES = ["keep", "recompute"]
 
@@ -338,6 +341,16 @@ def explore_steps(session: PlanningContext) -> int:
             + len(head_modes(session.root)))
 
 
+def _activation_bytes(value: Any) -> int:
+    """Bytes of the distinct storages of ``value``'s tensors that need gradients, parameters aside."""
+    storages: dict[int, int] = {}
+    for leaf in structures.flatten(value)[0]:
+        if (isinstance(leaf, torch.Tensor) and leaf.requires_grad and not isinstance(leaf, nn.Parameter)
+                and (key := storage_key(leaf)) is not None):
+            storages[key[0]] = key[1].nbytes()
+    return sum(storages.values())
+
+
 def _mark_backward(output: Any, index: int, peak: StepPeak) -> None:
     """Open the step's phase ``index`` when the gradient of ``output`` (a region run without
     recompute) arrives: its backward starts, as a recompute's start marks it (``_RegionMarks``)."""
@@ -380,8 +393,16 @@ class LockstepPlanner:
         self.keys: dict[int, Any] = {}
         """Per region, what identical regions share (``profile.block_key``: class, parameter and
         input shapes): one time for all of them, so the solver's ties between them are exact."""
-        self.kept_forward: dict[int, int] = {}
-        """Per region, its forward's peak had it been kept (``SavedCounter.kept_peak``)."""
+        self.kept_forward: dict[str, dict[int, int]] = {}
+        """Per counted choice (``recompute``, the ``base``), per region, its forward's peak had it
+        been kept (``SavedCounter.kept_peak``) above that choice's step start."""
+        self.input_bytes: dict[int, int] = {}
+        """Per region, the bytes of its inputs that need gradients (the activations it is handed,
+        which ``recompute+offload`` moves to the tier and fetches back in backward)."""
+        self.output_bytes: dict[int, int] = {}
+        """Per region, the bytes of its outputs that need gradients: what a recomputed region leaves
+        behind (the next one's input, held as it). Both derive recompute from ``recompute+offload``
+        where its step did not fit the budget (``_blocks_explored``)."""
         self.phase_peaks: dict[str | int, int] = {}
         """The explored steps' peaks per phase (``StepPeak.phases``), the largest of the steps."""
         self.measuring: StepPeak | None = StepPeak(memory, baseline) if explore else None
@@ -393,6 +414,15 @@ class LockstepPlanner:
         self.head_modes = head_modes(root)
         """The part outside the regions' choice besides keep (``HEAD_MODE``), explored on the last step."""
         self._head_installed = False
+        self.base = next((c for c in self.storage_choices if c.startswith("recompute+offload")), "recompute")
+        """What the first (``EXPLORE_STEPS``) steps run every region as: the least memory a plan can
+        have (the activations the regions are handed on the storage tier), else recompute."""
+        self._order: list[str] = []
+        self._pending: list[str] = []
+        self.skipped: list[str] = []
+        """Steps not explored because their predicted peak was over the budget (their choice is
+        then derived, ``recompute``, or not offered)."""
+        self._reset_steps()
         self.sampled_at: dict[str, dict[Any, int]] = {}
         """Per sampled choice, per kind of region (``self.keys``' values), the region run as it."""
         self.sampled_saved: dict[str, dict[Any, int]] = {}
@@ -435,17 +465,17 @@ class LockstepPlanner:
         if choice == SAMPLED_STEP:
             return self._explore_sampled(index, function, args, kwargs)
         if choice == HEAD_STEP:
-            options = choice_options("recompute").replace(observer=_RegionMarks(index, self.measuring))
+            options = choice_options(self.work).replace(observer=_RegionMarks(index, self.measuring))
             return run_region_now(function, args, kwargs, options)
-        if choice != "recompute":
+        if choice not in ("recompute", self.base):
             return self._explore_stored(choice, index, function, args, kwargs)
-        inputs = {key[0] for leaf in structures.flatten((args, kwargs))[0]
-                  if (key := storage_key(leaf)) is not None}
+        inputs = {key[0] for leaf in structures.flatten((args, kwargs))[0] if (key := storage_key(leaf)) is not None}
+        self.input_bytes[index] = max(self.input_bytes.get(index, 0), _activation_bytes((args, kwargs)))
         measuring = self.measuring
         counter = (SavedCounter(inputs, measuring.guard.memory, measuring.guard.baseline) if measuring is not None
                    else SavedCounter(inputs))
-        options = RegionOptions().replace(context_fn=lambda: (counter, contextlib.nullcontext()),
-                                          observer=_RegionMarks(index, self.measuring))
+        options = choice_options(choice).replace(context_fn=lambda: (counter, contextlib.nullcontext()),
+                                                 observer=_RegionMarks(index, self.measuring))
         owner = self.session.sites[index].owner if index < len(self.session.sites) else None
         self.keys.setdefault(index, block_key(owner, args, kwargs) if owner is not None else index)
         began = time.perf_counter()
@@ -453,26 +483,61 @@ class LockstepPlanner:
         elapsed = time.perf_counter() - began  # the least over the explored steps (the first one warms up)
         self.seconds[index] = min(self.seconds.get(index, elapsed), elapsed)
         self.saved[index] = max(self.saved.get(index, 0), counter.held(output))
-        self.kept_forward[index] = max(self.kept_forward.get(index, 0), counter.kept_peak)
+        self.output_bytes[index] = max(self.output_bytes.get(index, 0), _activation_bytes(output))
+        kept = self.kept_forward.setdefault(choice, {})
+        kept[index] = max(kept.get(index, 0), counter.kept_peak)
         return output
 
-    def _steps(self) -> list[str]:
-        """The explored steps in order, by what they run: the recomputed ones, one per storage choice,
-        the sampled one, the head's."""
-        return (["recompute"] * EXPLORE_STEPS + self.storage_choices + ([SAMPLED_STEP] if self.sampled_choices else [])
-                + ([HEAD_STEP] if self.head_modes else []))
+    def _reset_steps(self) -> None:
+        """The explored steps' order from the start: ``EXPLORE_STEPS`` as the ``base``, then, each
+        where its predicted peak fits the budget (``_next_step``), recompute, the other storage
+        choices, the sampled step and the head's."""
+        self._order = [self.base] * EXPLORE_STEPS
+        self._pending = ((["recompute"] if self.base != "recompute" else [])
+                         + [choice for choice in self.storage_choices if choice != self.base]
+                         + ([SAMPLED_STEP] if self.sampled_choices else []) + ([HEAD_STEP] if self.head_modes else []))
+        self.skipped = []
 
     @property
     def explore_steps(self) -> int:
-        """Steps explored before the plan (``_steps``)."""
-        return len(self._steps())
+        """Steps explored so far, or decided to be (all of them once the plan is made)."""
+        return len(self._order)
 
     @property
     def step_choice(self) -> str:
         """What the step being explored runs (a choice for every region, ``SAMPLED_STEP`` or
         ``HEAD_STEP``)."""
-        steps = self._steps()
-        return steps[self.explored] if self.explored < len(steps) else "recompute"
+        return self._order[self.explored] if self.explored < len(self._order) else "recompute"
+
+    @property
+    def work(self) -> str:
+        """The counted steps' choice the others are compared with: recompute where its step ran,
+        else the ``base``."""
+        return "recompute" if "recompute" in self.runs else self.base
+
+    def _next_step(self) -> None:
+        """After the steps decided so far (every rank at once): the next pending step whose
+        predicted peak fits the budget is explored next; the others are skipped (``skipped``).
+        Recompute and the storage choices are predicted from the steps so far (``_fits``); the
+        sampled step runs after a recomputed one only, as many samples as fit (``_choose_samples``);
+        the head's step runs its regions as ``work`` (what the steps so far fit in) and holds less
+        than those steps outside them."""
+        while self._pending:
+            step = self._pending.pop(0)
+            if step == SAMPLED_STEP:
+                if "recompute" in self.runs:
+                    self._choose_samples()
+                else:
+                    self.sampled_choices = []
+                fits = bool(self.sampled_choices)
+            elif step == HEAD_STEP:
+                fits = True
+            else:
+                fits = self._fits(step)
+            if fits:
+                self._order.append(step)
+                return
+            self.skipped.append(step)
 
     def _explore_sampled(self, index: int, function: Callable[..., Any], args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:
@@ -510,14 +575,7 @@ class LockstepPlanner:
         kinds: dict[Any, list[int]] = {}
         for index in range(count):
             kinds.setdefault(self.keys.get(index, index), []).append(index)
-        # no checkpointing's peak as the plan will predict it, from the steps explored so far
-        peak, names, explored = self.run_peaks.get("recompute", 0), [str(index) for index in range(count)], [
-            choice for choice in self.storage_choices if choice in self.runs]
-        blocks, other_held, outside = (self._blocks_explored(names, [0.0] * count, peak, explored, []) if explored
-                                       else self._recomputed_blocks(names, [0.0] * count, peak))
-        none = reference(Profile(blocks=blocks, choices=CHOICES, other_held=other_held, other_transient=outside,
-                                 other_seconds=0.0, signature="", prefetch=self.session.prefetch))[0]
-        budget = parse_budget(self.session.planned_budget, agree_bytes(none, self.device))
+        budget = self._budget(self._provisional())
         chosen: dict[int, str] = {}
         # where a region's own call gathers parameters (ZeRO-3, fully_shard inside it), its recompute
         # may run other operators than its forward did: torch's selective checkpoint would raise
@@ -530,6 +588,39 @@ class LockstepPlanner:
                 break
         self._samples = chosen
         self.sampled_choices = self.sampled_choices[:len(set(chosen.values()))]
+
+    def _provisional(self, estimated: str | None = None) -> Profile:
+        """The profile the steps explored so far give (this rank's numbers; no times), with
+        ``estimated`` (an ``offload`` choice not explored yet) estimated from keep's: nothing held
+        but its window, the size of the largest region's saved tensors, and keep's transient plus
+        that window and the copies the tier lets be in flight (``SharedOffload.IN_FLIGHT``)."""
+        count = 1 + max(self.keys, default=-1)
+        names = [str(index) for index in range(count)]
+        explored = [choice for choice in self.storage_choices if choice in self.runs]
+        peak = self.run_peaks.get(self.work, 0)
+        blocks, other_held, outside = (self._blocks_explored(names, [0.0] * count, peak, explored, []) if explored
+                                       else self._recomputed_blocks(names, [0.0] * count, peak))
+        choices = [*CHOICES, *explored]
+        if estimated is not None:
+            window = rounded(max((block.saved for block in blocks), default=0), HELD_UNIT)
+            for block in blocks:
+                block.held[estimated], block.window[estimated] = HELD_UNIT, window
+                block.transient[estimated] = block.transient["keep"] + window + SharedOffload.IN_FLIGHT
+            choices.append(estimated)
+        return Profile(blocks=blocks, choices=choices, other_held=other_held, other_transient=outside,
+                       other_seconds=0.0, signature="", prefetch=self.session.prefetch)
+
+    def _budget(self, profile: Profile) -> int:
+        """The budget in bytes (a fraction taken of no checkpointing's peak as ``profile``, agreed
+        across ranks, predicts it)."""
+        return parse_budget(self.session.planned_budget, agree_bytes(reference(profile)[0], self.device))
+
+    def _fits(self, choice: str) -> bool:
+        """Whether a step running every region as ``choice`` is predicted within the budget's
+        accepted share on every rank (``_provisional``; agreed, so every rank decides alike)."""
+        profile = self._provisional(None if choice in self.runs or choice == "recompute" else choice)
+        predicted = agree_bytes(rounded_peak(profile, [choice] * len(profile.blocks)), self.device)
+        return predicted <= self._budget(profile) * (1 - HEADROOM)
 
     def _sampled_peak(self, samples: dict[int, str]) -> int:
         """The sampled step's predicted peak: every recomputed phase's, plus the bytes kept by the
@@ -588,15 +679,15 @@ class LockstepPlanner:
         if self.exploring:
             self._run_outside("keep")  # after the head's step
             self.explored += 1
-            if self.step_choice == SAMPLED_STEP:
-                self._choose_samples()  # (none fit: the sampled step is skipped)
-            if self.step_choice == HEAD_STEP and self.explored < self.explore_steps:
-                self._run_outside(HEAD_MODE)
-            if self.explored < self.explore_steps:
+            if self.explored >= len(self._order):
+                self._next_step()
+            if self.explored < len(self._order):
+                if self.step_choice == HEAD_STEP:
+                    self._run_outside(HEAD_MODE)
                 self._measure_next_step()
                 return None
             self.exploring = False
-            self.profile = self._profile(self.run_peaks["recompute"])
+            self.profile = self._profile(self.run_peaks[self.work])
             plan = self._solve_on_rank0(session.planned_budget, overhead=0)
         else:
             plan = session.plan
@@ -628,8 +719,10 @@ class LockstepPlanner:
         measured; the next one gets a plan solved on it."""
         self._drop_measurement()
         self.saved, self.seconds, self.phase_peaks, self.kept_forward = {}, {}, {}, {}
+        self.input_bytes, self.output_bytes = {}, {}
         self.runs, self.run_peaks, self.sampled_at, self.sampled_saved = {}, {}, {}, {}
         self.sampled_choices = sampled_choices(self.session)
+        self._reset_steps()
         self._run_outside("keep")
         self.exploring, self.explored, self.verifications = True, 0, 0
         self._measure_next_step()
@@ -689,9 +782,17 @@ class LockstepPlanner:
                  } if HEAD_STEP in self.runs else {}
         owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
         method = METHOD
-        if explored:
+        if self.base != "recompute":
+            method = method.replace("every region recomputed", f"every region {self.base} (the least memory)")
+        later = [choice for choice in self._order[EXPLORE_STEPS:] if choice not in (SAMPLED_STEP, HEAD_STEP)]
+        if later:
             method = method.replace("the plan's first step", f"then one step each ran every region "
-                                                             f"{' and '.join(explored)}; the plan's first step")
+                                                             f"{' and '.join(later)}; the plan's first step")
+        if self.skipped:
+            method = method.replace("the plan's first step", f"not run, predicted over the budget: "
+                                                             f"{', '.join(self.skipped)}"
+                                    + (f" (recompute taken from {self.base} with its inputs held)"
+                                       if "recompute" in self.skipped else "") + "; the plan's first step")
         if sampled:
             method = method.replace("the plan's first step", f"then one step ran one region of each kind "
                                                              f"{' and one '.join(sampled)}; the plan's first step")
@@ -723,7 +824,7 @@ class LockstepPlanner:
             forward = forwards[index]
             saved = self.saved.get(index, 0)
             ahead, back = phases.get(f"forward:{index}", peak), phases.get(index, peak)
-            kept = max(ahead, _rounded(self.kept_forward.get(index, 0)))  # kept, it holds at least what recomputed did
+            kept = max(ahead, _rounded(self.kept_forward.get("recompute", {}).get(index, 0)))  # kept, it holds at least what recomputed did
             blocks.append(BlockProfile(name=name, held={"keep": saved, "recompute": 0},
                                        transient={"keep": max(0, max(kept, back) - saved),
                                                   "recompute": max(ahead, back)},
@@ -740,7 +841,7 @@ class LockstepPlanner:
         ``ChoiceSteps.outside``; else every phase outside the regions, as ``_recomputed_blocks``
         counts keep's), and its time beyond keep's (the forward after the regions, the loss, the
         head's backward: never less than nothing, as a faster measurement is noise)."""
-        run, recomputed = self.runs[HEAD_STEP], self.runs["recompute"]
+        run, recomputed = self.runs[HEAD_STEP], self.runs[self.work]  # its regions ran as work
         if explicit:
             transient = rounded(run.outside(count, run.held(count), peak), PHASE_UNIT)
         else:
@@ -777,8 +878,9 @@ class LockstepPlanner:
         own numbers (the first region's input may be held by the part before it)."""
         count = len(names)
         keys = [self.keys.get(index, index) for index in range(count)]
-        recomputed = self.runs["recompute"]
-        measured = {choice: self.runs[choice].held(count) for choice in ["recompute", *explored]}
+        work = self.work
+        recomputed = self.runs[work]
+        measured = {choice: self.runs[choice].held(count) for choice in dict.fromkeys([work, *explored])}
         resident = {choice: list(sizes) for choice, sizes in measured.items()}
         """What each step's regions left behind, the offload window included: resident while the
         part outside the regions runs, so its transient is taken above it (the solver adds the
@@ -793,15 +895,26 @@ class LockstepPlanner:
         held = {choice: [rounded(size, HELD_UNIT) for size in sizes] for choice, sizes in measured.items()}
         transient = {choice: self.runs[choice].transients(count, sizes, peak, PHASE_UNIT)
                      for choice, sizes in measured.items()}
+        if work != "recompute":
+            # recompute's step did not fit the budget: derived from the base's (recompute+offload),
+            # whose regions moved their inputs to the tier: a recomputed region leaves its output
+            # behind (the next one's input), and its backward fetches nothing back (the base's
+            # transient less the region's input)
+            inputs = [self.input_bytes.get(index, 0) for index in range(count)]
+            measured["recompute"] = [max(size, self.output_bytes.get(index, 0))
+                                     for index, size in enumerate(measured[work])]
+            held["recompute"] = [rounded(size, HELD_UNIT) for size in measured["recompute"]]
+            transient["recompute"] = [rounded(size - inputs[index], PHASE_UNIT)
+                                      for index, size in enumerate(transient[work])]
         steps = resident  # what each explored step held per region (the sampled one's mixed)
         if sampled:
             steps[SAMPLED_STEP] = self.runs[SAMPLED_STEP].held(count)
             sampled_transient = self.runs[SAMPLED_STEP].transients(count, steps[SAMPLED_STEP], peak, PHASE_UNIT)
         saved = [self.saved.get(index, 0) for index in range(count)]
-        kept_prefix, kept = 0, []
+        kept_prefix, kept, kept_forward = 0, [], self.kept_forward.get(work, {})
         for index in range(count):
-            kept_prefix += measured["recompute"][index]
-            top = max(_rounded(self.kept_forward.get(index, 0)), recomputed.phases.get(f"forward:{index}", peak),
+            kept_prefix += measured[work][index]  # what work's step held up to it, above which keep adds
+            top = max(_rounded(kept_forward.get(index, 0)), recomputed.phases.get(f"forward:{index}", peak),
                       recomputed.phases.get(index, peak))
             kept.append(rounded(top - recomputed.start - kept_prefix - saved[index], PHASE_UNIT))
         plain = median_per_key([recomputed.region_seconds(index) for index in range(count)], keys)

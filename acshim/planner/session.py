@@ -511,7 +511,7 @@ class PlanSession:
         elif sharded is not None:
             # FSDP / ZeRO gather parameters and reduce gradients with collectives inside each block's
             # hooks: running blocks alone would issue them out of step, so the plan is made on the
-            # script's own steps (lockstep); this one runs every region recomputed, measured
+            # script's own steps (lockstep); this one runs every region with least memory, measured
             self._explore(root, shapes)
             return
         else:
@@ -596,8 +596,8 @@ class PlanSession:
             raise PlanExit(0)
 
     def _explore(self, root: nn.Module, shapes: list[list[int]], now: bool = True) -> None:
-        """Start planning a sharded model on its real steps: this one runs every region recomputed
-        and is measured; the plan is solved when the next starts (``lockstep``). Not ``now``: a plan
+        """Start planning a sharded model on its real steps: this one runs every region with the
+        least memory (``lockstep.LockstepPlanner.base``) and is measured; the plan is solved when the next starts (``lockstep``). Not ``now``: a plan
         from a file runs, and only a step with larger inputs is explored."""
         memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")  # the model's (_take_baseline)
         if self._baseline is None:
@@ -638,8 +638,8 @@ class PlanSession:
             self.mode = Mode.EXPLORE
             if rank() == 0 and not self.api:
                 print(f"acshim: --budget {format_bytes(self.plan.budget)}: a rank's step inputs {shapes} are "  # type: ignore[union-attr]
-                      "larger than those planned for: this step runs every region recomputed and is measured, "
-                      "to plan again for the next", file=sys.stderr, flush=True)
+                      f"larger than those planned for: this step runs every region {lockstep.base} and is measured, "
+                      "as the steps after it, to plan again", file=sys.stderr, flush=True)
             return
         if plan is None or lockstep.verifications:  # none, or solved again after a verification step
             return

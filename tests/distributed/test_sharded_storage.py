@@ -1,10 +1,11 @@
 """Sharded models (FSDP2, ZeRO-3) under ``torchrun -m acshim run --budget`` are offered the storage
-tier's choices and selective-op too (acshim/planner/lockstep.py, explored.py): after the recomputed steps, one step
-runs every region offloaded to disk and one recomputed with its input on disk, and the plan may mix
-them with keep and recompute. A budget below full recompute's peak, refused before, now plans (FSDP2;
-ZeRO-3 and FSDP1 exact and within budget with these choices offered: test_budget_ranks.py, below); every
-rank's steps from the first planned one stay within it by the kernel's VmHWM, and the full weights
-equal the same engine's without checkpointing bitwise (dropout on, 2 gloo ranks)."""
+tier's choices and selective-op too (acshim/planner/lockstep.py, explored.py): the first two steps run
+every region recomputed with its input on disk (the least memory), then, each where its predicted
+peak fits the budget, one step every region recomputed, one every region offloaded to disk, one
+sampling selective-op; the plan may mix them with keep. A budget below full recompute's peak plans
+(FSDP2; ZeRO-3 and FSDP1 exact and within budget with these choices offered: test_budget_ranks.py,
+below); every rank's steps from the first one stay within it by the kernel's VmHWM, and the full
+weights equal the same engine's without checkpointing bitwise (dropout on, 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from acshim.planner.profile import Profile
+from acshim.planner.solver import rounded_peak
+
 SHARDED = str(Path(__file__).resolve().parent / "scripts" / "sharded_budget.py")
 STORAGE = ("offload:disk", "recompute+offload:disk")
 EXPLORED = 5
-"""Steps explored before the plan: two recomputed, one per storage choice, one sampling selective-op."""
+"""Steps explored before the plan, at most: two recompute+offload:disk, one recomputed, one offloaded,
+one sampling selective-op."""
 
 
 def assert_predicted(result: dict) -> None:
@@ -32,10 +37,14 @@ def assert_predicted(result: dict) -> None:
     # (its parameters prefetched in some steps and not others count at every step's start), against
     # full recompute's 96 MiB: no budget between them plans every time (docs/planner.md, Sharded)
 ])
-def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_exactly(
-        launch, torchrun, engine: str, blocks: str, budget: str) -> None:
-    command = torchrun("-m", "acshim", "run", "--budget", budget, SHARDED, "--engine", engine, "--blocks", blocks,
-                       "--rows", ",".join(["2048"] * (EXPLORED + 2)))
+def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_from_the_first_step_and_exactly(
+        launch, torchrun, tmp_path, engine: str, blocks: str, budget: str) -> None:
+    """Full recompute would not fit: its step is not run (nor the selective sample, which holds
+    more), recompute's numbers are taken from the recompute+offload steps, and every step of every
+    rank, the explored ones included, peaks within the budget by VmHWM."""
+    path = tmp_path / "plan.json"
+    command = torchrun("-m", "acshim", "run", "--budget", budget, "--plan-file", str(path), SHARDED,
+                       "--engine", engine, "--blocks", blocks, "--rows", ",".join(["2048"] * (EXPLORED + 2)))
     result = launch(command, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
@@ -43,12 +52,15 @@ def test_budget_below_full_recompute_plans_with_the_storage_tier_within_it_and_e
     assert all(r["equal"] and r["finite"] for r in ranks), ranks       # bitwise, as without checkpointing
     assert ranks[0]["choices"] == ranks[1]["choices"], ranks            # one plan, rank 0's
     assert set(ranks[0]["choices"]) & set(STORAGE), ranks               # the storage tier made it fit
+    profile = Profile.from_json(json.loads(path.read_text())["profile"])
+    every_recomputed = rounded_peak(profile, ["recompute"] * len(profile.blocks))
+    assert every_recomputed > ranks[0]["budget"], profile.blocks         # full recompute alone would not fit
+    assert "recompute taken from recompute+offload:disk" in profile.method, profile.method
     for r in ranks:
-        # explored steps (the sampled one skipped where no selective block fits, none then offered)
-        assert r["explored"] == EXPLORED - 1 + bool({"selective", "selective-alt"} & set(r["offered"])), r
+        assert r["skipped"][:1] == ["recompute"] and "sampled" in r["skipped"], r   # predicted over: not run
+        assert r["explored"] == EXPLORED - len(r["skipped"]), r
         assert len(r["measured"]) == r["explored"] + 1, r               # then one verification
-        assert max(r["measured"][:2]) > r["budget"], r                  # full recompute alone would not fit
-        assert max(r["peaks"][r["explored"]:]) <= r["budget"], r         # every planned step within, by VmHWM
+        assert max(r["peaks"]) <= r["budget"], r                         # every step within, from the first, by VmHWM
         assert_predicted(r)
     assert "(0." in result.stderr and "of the budget, within it)" in result.stderr, result.stderr[-3000:]
 

@@ -197,7 +197,8 @@ def main() -> None:
         result.update(choices=session.plan.choices, budget=session.plan.budget, reference=session.plan.reference_peak,
                       measured=session._lockstep.peaks if session._lockstep else None, replans=session.replans,
                       offered=session.plan.profile.choices, predicted=session.plan.peak + session.plan.overhead,
-                      explored=session._lockstep.explore_steps if session._lockstep else None)
+                      explored=session._lockstep.explore_steps if session._lockstep else None,
+                      skipped=session._lockstep.skipped if session._lockstep else None)
     report(result)
 
 
