@@ -1,0 +1,66 @@
+"""Run a Trainer script (``sys.argv[1:]``) as its user would, and print at exit one line
+``PROBE {"peak": bytes, "budget": bytes or null, "plan": str or null, "starts": [seconds, ...]}``:
+the resident high-water mark (``VmHWM``) above what the process held when the first
+``Trainer.training_step`` started (the heap trimmed and the mark reset there: planning counts), the
+budget and plan ``acshim run --budget`` made, if any, and when each training step started
+(``time.perf_counter``), so that the time between two starts is one whole step, optimizer included (the last step's
+end is not taken: the script's own end-of-training work follows it).
+For benchmarks/bench_trl.py; shared/MEASURING.md for the method."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import runpy
+import sys
+import time
+from typing import Any
+
+import transformers
+
+state: dict[str, Any] = {"baseline": None, "starts": []}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+original = transformers.Trainer.training_step
+
+
+def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    if state["baseline"] is None:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        state["baseline"] = _rss()
+    state["starts"].append(time.perf_counter())
+    return original(self, *args, **kwargs)
+
+
+transformers.Trainer.training_step = training_step
+
+
+@atexit.register
+def report() -> None:
+    plan = None
+    if "acshim.region" in sys.modules:
+        routers = sys.modules["acshim.region"].ROUTERS
+        plan = routers[0].plan if routers else None
+    print("PROBE " + json.dumps({"peak": _hwm() - (state["baseline"] or 0),
+                                 "budget": plan.budget if plan else None,
+                                 "plan": plan.describe() if plan else None,
+                                 "starts": state["starts"]}), flush=True)
+
+
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
