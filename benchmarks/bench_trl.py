@@ -9,7 +9,9 @@ variable set), through benchmarks/trainer_probe.py:
 
 - ``none``: ``--gradient_checkpointing False``;
 - ``torch recompute``: ``--gradient_checkpointing True`` (Hugging Face's checkpoint call: torch's);
-- ``acshim recompute``: the same under ``acshim run``;
+- ``acshim recompute``: the same under ``acshim run``; and again with ``MALLOC_MMAP_THRESHOLD_=65536``,
+  the allocator setting ``acshim run --budget`` makes for itself (``acshim/allocator.py``: the
+  process's memory then follows what tensors hold), so that its cost is seen apart from the plan's;
 - ``disk offload``: ``--activation_offloading True`` (TRL's activation offloading, served by
   ``acshim.offload`` under ``acshim run``, ``ACSHIM_OFFLOAD_STORAGE=disk``: host memory saves
   nothing on a CPU), no recompute;
@@ -70,7 +72,9 @@ def configs(budgets: list[str]) -> list[Config]:
 
     disk = {"ACSHIM_OFFLOAD_STORAGE": "disk"}
     fixed = [Config("none", None, flags(False)), Config("torch recompute", None, flags(True)),
-             Config("acshim recompute", [], flags(True)), Config("disk offload", [], flags(False, True), disk),
+             Config("acshim recompute", [], flags(True)),
+             Config("acshim recompute, 64 KiB mmap threshold", [], flags(True), {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+             Config("disk offload", [], flags(False, True), disk),
              Config("recompute + disk offload", [], flags(True, True), disk)]
     return fixed + [Config(f"plan {budget}", ["--budget", budget], flags(True)) for budget in budgets]
 
