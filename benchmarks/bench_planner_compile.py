@@ -137,12 +137,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         peaks = []
         for _ in range(2):
             model.zero_grad(set_to_none=set_to_none)
-            memory_probe._reset_high_water_mark()
-            baseline = memory_probe._rss_bytes()
+            memory_probe.reset_high_water_mark()
+            baseline = memory_probe.rss_bytes()
             loss = bp.forward_loss(run, work.batch)
             loss.backward()
             del loss
-            peaks.append(memory_probe._hwm_bytes() - baseline)
+            peaks.append(memory_probe.hwm_bytes() - baseline)
         results[key], results[key + "_repeats"] = max(peaks), peaks
     return results
 

@@ -21,12 +21,12 @@ from typing import Any
 MiB = 2**20
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _hwm_bytes() -> int:
+def hwm_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmHWM:"):
@@ -34,7 +34,7 @@ def _hwm_bytes() -> int:
     raise RuntimeError("VmHWM missing from /proc/self/status")
 
 
-def _reset_high_water_mark() -> None:
+def reset_high_water_mark() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
@@ -47,12 +47,12 @@ def run_child(path: str, builder: str, argv: list[str]) -> dict[str, Any]:
     model, forward = getattr(module, builder)(argv)  # forward(): run the model, return the loss
     forward().backward()  # warm-up: lazy initialisation, thread pools
     model.zero_grad(set_to_none=True)  # gradients are not part of what forward holds
-    _reset_high_water_mark()
-    baseline = _rss_bytes()
+    reset_high_water_mark()
+    baseline = rss_bytes()
     loss = forward()
-    held = _rss_bytes() - baseline
+    held = rss_bytes() - baseline
     loss.backward()
-    peak = _hwm_bytes() - baseline
+    peak = hwm_bytes() - baseline
     return {"held_bytes": held, "peak_bytes": peak}
 
 

@@ -10,7 +10,6 @@ For benchmarks/bench_trl.py; shared/MEASURING.md for the method."""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import runpy
@@ -20,17 +19,10 @@ from typing import Any
 
 import transformers
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_probe import hwm_bytes, reset_high_water_mark, rss_bytes  # benchmarks/ is not a package
+
 state: dict[str, Any] = {"baseline": None, "starts": []}
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 original = transformers.Trainer.training_step
@@ -38,10 +30,8 @@ original = transformers.Trainer.training_step
 
 def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
     if state["baseline"] is None:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        state["baseline"] = _rss()
+        reset_high_water_mark()
+        state["baseline"] = rss_bytes()
     state["starts"].append(time.perf_counter())
     return original(self, *args, **kwargs)
 
@@ -55,7 +45,7 @@ def report() -> None:
     if "acshim.region" in sys.modules:
         routers = sys.modules["acshim.region"].ROUTERS
         plan = routers[0].plan if routers else None
-    print("PROBE " + json.dumps({"peak": _hwm() - (state["baseline"] or 0),
+    print("PROBE " + json.dumps({"peak": hwm_bytes() - (state["baseline"] or 0),
                                  "budget": plan.budget if plan else None,
                                  "plan": plan.describe() if plan else None,
                                  "starts": state["starts"]}), flush=True)
