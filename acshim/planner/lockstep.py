@@ -33,9 +33,10 @@ script's own steps, in lock-step on every rank:
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
 memory and time. Limits (docs/cli.md): choices are keep, recompute, selective-op and the storage
 tier's per region, keep and the chunked head for the part outside them (not the head's loss mode,
-nor that part offloaded); the first steps keep the part outside the regions, so a budget holds from
-the first step where that part fits it kept (else from the first planned step); a budget below the
-least plan is refused after them, naming a budget that plans.
+nor that part offloaded); the first step keeps the part outside the regions (no checkpointing's
+peak is measured there), so a budget holds from the first step where that part fits it kept, else
+from the second (every later explored step runs the head in chunks, the second standing for
+``HEAD_STEP``); a budget below the least plan is refused after them, naming a budget that plans.
 """
 
 from __future__ import annotations
@@ -414,6 +415,9 @@ class LockstepPlanner:
         self.head_modes = head_modes(root)
         """The part outside the regions' choice besides keep (``HEAD_MODE``), explored on the last step."""
         self._head_installed = False
+        self._outside_mode = "keep"
+        """How the explored steps run the part outside the regions: kept, unless the first step
+        showed it does not fit kept (``HEAD_MODE`` from then on, ``step_started``)."""
         self.base = next((c for c in self.storage_choices if c.startswith("recompute+offload")), "recompute")
         """What the first (``EXPLORE_STEPS``) steps run every region as: the least memory a plan can
         have (the activations the regions are handed on the storage tier), else recompute."""
@@ -607,8 +611,10 @@ class LockstepPlanner:
                 block.held[estimated], block.window[estimated] = HELD_UNIT, window
                 block.transient[estimated] = block.transient["keep"] + window + SharedOffload.IN_FLIGHT
             choices.append(estimated)
+        heads = ({HEAD_MODE: self._head_entry(count, peak, other_held, explicit=bool(explored))}
+                 if HEAD_STEP in self.runs else {})
         return Profile(blocks=blocks, choices=choices, other_held=other_held, other_transient=outside,
-                       other_seconds=0.0, signature="", prefetch=self.session.prefetch)
+                       other_seconds=0.0, signature="", prefetch=self.session.prefetch, outside=heads)
 
     def _budget(self, profile: Profile) -> int:
         """The budget in bytes (a fraction taken of no checkpointing's peak as ``profile``, agreed
@@ -619,7 +625,7 @@ class LockstepPlanner:
         """Whether a step running every region as ``choice`` is predicted within the budget's
         accepted share on every rank (``_provisional``; agreed, so every rank decides alike)."""
         profile = self._provisional(None if choice in self.runs or choice == "recompute" else choice)
-        predicted = agree_bytes(rounded_peak(profile, [choice] * len(profile.blocks)), self.device)
+        predicted = agree_bytes(rounded_peak(profile, [choice] * len(profile.blocks), self._outside_mode), self.device)
         return predicted <= self._budget(profile) * (1 - HEADROOM)
 
     def _sampled_peak(self, samples: dict[int, str]) -> int:
@@ -672,6 +678,9 @@ class LockstepPlanner:
             self.runs.setdefault(choice, ChoiceSteps()).add(measured.phases, measured.held_after, measured.start_held,
                                                            measured.seconds)
             self.run_peaks[choice] = max(self.run_peaks.get(choice, 0), peak)
+            if self._head_installed and choice == self.base and HEAD_STEP not in self.runs:  # the head's step too
+                self.runs[HEAD_STEP] = ChoiceSteps()
+                self.runs[HEAD_STEP].add(measured.phases, measured.held_after, measured.start_held, measured.seconds)
         self.measuring = None
         self._scope = None
         self.peaks.append(peak)
@@ -679,10 +688,16 @@ class LockstepPlanner:
         if self.exploring:
             self._run_outside("keep")  # after the head's step
             self.explored += 1
+            if self.explored == 1 and HEAD_STEP in self._pending and not self._fits(self.base):
+                # the first step, the least memory but with the head kept, was over: the part outside
+                # the regions alone does not fit kept, so every later step runs the head in chunks,
+                # the next one standing for the head's step as well
+                self._outside_mode = HEAD_MODE
+                self._pending.remove(HEAD_STEP)
             if self.explored >= len(self._order):
                 self._next_step()
             if self.explored < len(self._order):
-                if self.step_choice == HEAD_STEP:
+                if self.step_choice == HEAD_STEP or self._outside_mode == HEAD_MODE:
                     self._run_outside(HEAD_MODE)
                 self._measure_next_step()
                 return None
@@ -723,6 +738,7 @@ class LockstepPlanner:
         self.runs, self.run_peaks, self.sampled_at, self.sampled_saved = {}, {}, {}, {}
         self.sampled_choices = sampled_choices(self.session)
         self._reset_steps()
+        self._outside_mode = "keep"
         self._run_outside("keep")
         self.exploring, self.explored, self.verifications = True, 0, 0
         self._measure_next_step()
