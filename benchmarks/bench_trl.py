@@ -79,8 +79,9 @@ def configs(budgets: list[str]) -> list[Config]:
     return fixed + [Config(f"plan {budget}", ["--budget", budget], flags(True)) for budget in budgets]
 
 
-def run(config: Config, directory: Path, steps: int, output: str) -> dict:
-    """One fresh process of TRL's SFT script as ``config``; what the probe printed."""
+def run(config: Config, directory: Path, steps: int, output: str, retry: bool = True) -> dict:
+    """One fresh process of TRL's SFT script as ``config``; what the probe printed (a refused
+    budget: once more at the budget the refusal names, ``retry``)."""
     import trl.scripts.sft
 
     script = Path(trl.scripts.sft.__file__)
@@ -96,9 +97,9 @@ def run(config: Config, directory: Path, steps: int, output: str) -> dict:
     command = [sys.executable, *(["-m", "acshim", "run", *config.acshim] if config.acshim is not None else []), *args]
     done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=900)
     named = re.search(r"pass --budget (\S+) or more", done.stderr) if done.returncode == 2 else None
-    if named and config.planned:  # refused: the budget it names, as its user would run next
+    if named and config.planned and retry:  # refused: the budget it names, as its user would run next
         again = Config(config.name, ["--budget", named.group(1)], config.flags, config.env)
-        return {**run(again, directory, steps, output), "named": named.group(1)}
+        return {**run(again, directory, steps, output, retry=False), "named": named.group(1)}
     if done.returncode != 0:
         raise RuntimeError(f"{config.name}: exit {done.returncode}\n{done.stderr[-3000:]}")
     line = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")][-1]
@@ -155,7 +156,7 @@ def bench(directory: Path, budgets: list[str], rounds: int, steps: int, load: st
                           f"plans: {' / '.join(plans) or '-'}")
         lines.append(f"| {config.name} | {' / '.join(plans) or '-'} | {peak(config.name) / MiB:.1f} | "
                      f"{peak(config.name) / peak('none'):.2f} | {ratio(config.name):.2f} | "
-                     f"{budget / MiB if budget else 0:.1f} | {fits or '-'} | {planning or '-'} |")
+                     f"{f'{budget / MiB:.1f}' if budget else '-'} | {fits or '-'} | {planning or '-'} |")
     return lines + ["", *checks, ""]
 
 
