@@ -8,7 +8,7 @@
     acshim plan --budget X [--sweep] [--png f] -- script.py [args...]   plan on its first step, print, exit
     acshim compat [--markdown] [--dialect D] [--status S] [--write | --check]
     acshim doctor                                        versions, devices, what would be patched
-    acshim build-ext                                     compile the native I/O extension now
+    acshim build-ext                                     compile the native extensions now
     acshim demo [args...]                                the README's memory/gradient demo
 """
 
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor = verbs.add_parser("doctor", help="show versions, devices and what acshim would patch")
     doctor.set_defaults(handler=doctor_command)
 
-    build = verbs.add_parser("build-ext", help="compile the native I/O extension now")
+    build = verbs.add_parser("build-ext", help="compile the native extensions now (disk I/O, CPU tensor allocator)")
     build.set_defaults(handler=build_ext_command)
 
     verbs.add_parser("demo", help="the README demo: same gradients, less memory", add_help=False)
@@ -480,6 +480,7 @@ def doctor_command(args: argparse.Namespace) -> int:
             uninstall()
     print()
     print(f"native extension: {_native_status()}")
+    print(f"CPU tensor allocator (--budget): {_host_allocator_status()}")
     return 0
 
 
@@ -522,6 +523,12 @@ def _native_status() -> str:
         return str(status())
 
 
+def _host_allocator_status() -> str:
+    host_allocator = _optional_module("acshim.host_allocator")
+    status = getattr(host_allocator, "status", None)
+    return str(status()) if status is not None else "unknown (this acshim has no acshim.host_allocator)"
+
+
 # --------------------------------------------------------------------------------------------------
 # build-ext, demo
 
@@ -533,12 +540,16 @@ def build_ext_command(args: argparse.Namespace) -> int:
         print("acshim build-ext: this acshim has no native extension to build (acshim.storage.native.build "
               "is missing); the Python I/O path is used", file=sys.stderr)
         return 1
+    from .host_allocator import build as build_allocator
+
     try:
         status = build()
+        allocator = build_allocator()
     except RuntimeError as error:
         print(f"acshim build-ext: {error}", file=sys.stderr)
         return 1
     print(status)
+    print(f"CPU tensor allocator (--budget): {allocator}")
     return 0
 
 

@@ -18,7 +18,8 @@ variable set), through benchmarks/trainer_probe.py:
 - ``recompute + disk offload``: both flags;
 - ``plan B``: ``acshim run --budget B`` with ``--gradient_checkpointing True`` (the script's own
   checkpoint calls follow the plan); where B is refused, the budget the refusal names, as its user
-  would run next (said in the table).
+  would run next (said in the table). ``--without-cache`` adds each plan with ``ACSHIM_HOST_CACHE=0``
+  (acshim's CPU tensor allocator off: a mapping per tensor, as the mmap threshold alone gives).
 
 Peak: ``VmHWM`` above what the process held when its first training step started (planning
 counted). Step time: the median of the steps from the third on (the time between two steps'
@@ -66,7 +67,7 @@ class Config:
         return bool(self.acshim and "--budget" in self.acshim)
 
 
-def configs(budgets: list[str]) -> list[Config]:
+def configs(budgets: list[str], without_cache: bool = False) -> list[Config]:
     def flags(recompute: bool, offload: bool = False) -> list[str]:
         return ["--gradient_checkpointing", str(recompute), *(["--activation_offloading", "True"] if offload else [])]
 
@@ -76,7 +77,11 @@ def configs(budgets: list[str]) -> list[Config]:
              Config("acshim recompute, 64 KiB mmap threshold", [], flags(True), {"MALLOC_MMAP_THRESHOLD_": "65536"}),
              Config("disk offload", [], flags(False, True), disk),
              Config("recompute + disk offload", [], flags(True, True), disk)]
-    return fixed + [Config(f"plan {budget}", ["--budget", budget], flags(True)) for budget in budgets]
+    planned = [Config(f"plan {budget}", ["--budget", budget], flags(True)) for budget in budgets]
+    if without_cache:  # the same plan with a mapping per tensor, as before acshim's allocator cached
+        planned += [Config(f"plan {budget}, ACSHIM_HOST_CACHE=0", ["--budget", budget], flags(True),
+                           {"ACSHIM_HOST_CACHE": "0"}) for budget in budgets]
+    return fixed + planned
 
 
 def run(config: Config, directory: Path, steps: int, output: str, retry: bool = True) -> dict:
@@ -111,9 +116,10 @@ def run(config: Config, directory: Path, steps: int, output: str, retry: bool = 
     return found
 
 
-def bench(directory: Path, budgets: list[str], rounds: int, steps: int, load: str) -> list[str]:
+def bench(directory: Path, budgets: list[str], rounds: int, steps: int, load: str,
+          without_cache: bool = False) -> list[str]:
     """Every configuration ``rounds`` times, interleaved; the markdown table and the checks' lines."""
-    chosen = configs(budgets)
+    chosen = configs(budgets, without_cache)
     results: dict[str, list[dict]] = {config.name: [] for config in chosen}
     for round_index in range(rounds):
         order = chosen[round_index % len(chosen):] + chosen[:round_index % len(chosen)]
@@ -167,6 +173,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the steady ones from the third)")
     parser.add_argument("--load", choices=("both", "idle", "busy"), default="both",
                         help="idle, with a busy-loop process on one core (started and killed here), or both")
+    parser.add_argument("--without-cache", action="store_true",
+                        help="also run each plan with ACSHIM_HOST_CACHE=0 (a mapping per tensor, acshim's allocator off)")
     parser.add_argument("--busy-seconds", type=int, default=3600,
                         help="the busy-loop process ends itself after this many seconds whatever happens")
     args = parser.parse_args()
@@ -185,7 +193,7 @@ def main() -> int:
                                          f"while time.time() - t < {args.busy_seconds}: pass"])
             began = time.time()
             try:
-                out += bench(directory, args.budgets.split(","), args.rounds, args.steps, load)
+                out += bench(directory, args.budgets.split(","), args.rounds, args.steps, load, args.without_cache)
             finally:
                 if busy is not None:
                     busy.kill()

@@ -29,6 +29,12 @@ start with the last one's cache; and the guard charges an operator's outputs onl
 cache can serve (``ProcessMemory.reusable``: reserved less allocated), since an output that fits in
 freed blocks adds nothing to reserved memory. ``acshim run --budget`` also sets the allocator's
 ``expandable_segments`` (``acshim.allocator``), so that reserved memory follows allocated memory.
+
+On CPU under ``acshim run --budget``, acshim's own tensor allocator (``acshim.host_allocator``) keeps
+freed blocks mapped once the plan runs, never more than its tensors held at most since it was last
+emptied: ``current()`` leaves those cached bytes out (what tensors can take again without the process
+growing), and ``trim()`` empties the cache and resets that bound, so a measurement starting after it
+peaks where it would with a mapping per tensor.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import host_allocator
 from .pages import uncommitted
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -186,7 +193,8 @@ class ProcessMemory:
             return 0
         with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
             fields = os.pread(self._fd, 128, 0).split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE  # resident less file-backed (see the module docstring)
+        # resident less file-backed, less the freed blocks acshim's allocator keeps (the module docstring)
+        return (int(fields[1]) - int(fields[2])) * _PAGE - host_allocator.cached()
 
     def file_backed(self) -> int:
         """Bytes of file-backed (and shared) pages resident on CPU (``statm``'s shared field): library
@@ -227,9 +235,11 @@ _TRIM: Any = None
 def trim() -> None:
     """Give the heap's free memory back to the operating system (glibc ``malloc_trim(0)``; a no-op
     elsewhere), and the CUDA caching allocator's free blocks back to the device where CUDA has
-    started (``torch.cuda.empty_cache``), so a baseline read next is not inflated by memory already
-    freed. Called where a measurement starts, never in a planned step."""
+    started (``torch.cuda.empty_cache``), and acshim's CPU allocator's cache (``host_allocator.release``),
+    so a baseline read next is not inflated by memory already freed. Called where a measurement
+    starts, never in a planned step."""
     global _TRIM
+    host_allocator.release()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     if _TRIM is None:

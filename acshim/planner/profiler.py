@@ -184,8 +184,10 @@ class RegionProfiler:
         self.guard.file_baseline = None if bound else self.file_baseline
 
     def used(self) -> int:
-        """The process's memory above the step's start now (0 where it cannot be read)."""
-        return self.guard.used() if self.memory.available else 0
+        """The process's memory above the step's start now (0 where it cannot be read, or where the
+        process holds less than then: what a plan is charged besides its activations is never less
+        than nothing)."""
+        return max(0, self.guard.used()) if self.memory.available else 0
 
     def drop_copies(self) -> None:
         """Free the regions' captured inputs (done before verifying: they are no part of a step), and

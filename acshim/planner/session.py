@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import host_allocator
 from .. import region as engine
 from ..options import RegionOptions
 from ..region import owning_module, run_region_now
@@ -181,6 +182,8 @@ class PlanSession:
     """The refusal the counting forward's stop would have given, where it was counted again within
     what that refusal names (``_profile``); None where it was not stopped."""
     _lockstep: LockstepPlanner | None = None
+    _host_allocator: bool = False
+    """Whether this session installed acshim's CPU allocator (``host_allocator``; ``acshim run`` only)."""
     """A sharded model's planner on its real steps (``lockstep``)."""
     pipeline: PipelineStage | None = None
     """This rank's pipeline stage (``pipelines``): planned alone, for one microbatch within the
@@ -254,6 +257,8 @@ class PlanSession:
             self._start = StepStart(self._memory).start()
         if not self.api:  # acshim.plan ends before the script's steps
             self._watch = OptimizerWatch().start()
+            if self.memory == "process":  # the run's own tensor allocator, caching once the plan runs
+                self._host_allocator = host_allocator.install()
         engine.ROUTERS.append(self)
         return self
 
@@ -282,6 +287,9 @@ class PlanSession:
         if self.root is not None and self._outside != "keep":
             install_outside(self.root, "keep")  # the model's own forward back
             self._outside = "keep"
+        if self._host_allocator:
+            host_allocator.uninstall()
+            self._host_allocator = False
 
     # ---------------------------------------------------------------------------------- routing
     def route(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -437,6 +445,7 @@ class PlanSession:
             self._script_window = None
         if self.mode != Mode.PLANNED or not torch.is_grad_enabled() or not module.training:
             return
+        self._cache_planned_steps()
         shapes = input_shapes(args, kwargs)
         replans = self.replans
         if _larger(shapes, self._planned_shapes):
@@ -451,6 +460,14 @@ class PlanSession:
         # the count on: this step's regions start at 0 again (past the plan's end a region runs as
         # a plain recompute, the plan's offloads and keeps left out)
         self.position = 0
+
+    def _cache_planned_steps(self) -> None:
+        """A planned step starts: from here acshim's CPU allocator keeps freed blocks for the steps'
+        tensors (``host_allocator``; a measurement made later starts by emptying it, ``trim``). Not on
+        a pipeline stage: its microbatches in flight are checked by ``VmHWM`` alone (not yet measured
+        with the cache)."""
+        if self._host_allocator and self.pipeline is None and not host_allocator.caching():
+            host_allocator.enable_cache()
 
     # ---------------------------------------------------------------------------------- planning
     def _plan_now(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -641,6 +658,8 @@ class PlanSession:
                       f"larger than those planned for: this step runs every region {lockstep.base} and is measured, "
                       "as the steps after it, to plan again", file=sys.stderr, flush=True)
             return
+        if lockstep.measuring is None and not lockstep.exploring:  # measured and verified: the plan runs
+            self._cache_planned_steps()
         if plan is None or lockstep.verifications:  # none, or solved again after a verification step
             return
         lead = rank() == 0 and not self.api

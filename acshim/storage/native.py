@@ -227,6 +227,17 @@ def pack_module() -> ModuleType | None:
     return _pack[0]
 
 
+def compile_extension(stem: str, sources: tuple[str, ...], verbose: bool = False) -> ModuleType:
+    """Compile ``sources`` (files of ``csrc/``) into torch's extension cache, named ``stem`` and the
+    sources' hash, one process at a time, and load it; raises where the toolchain fails."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    name = _extension_name(stem, sources)
+    with _one_builder(_get_build_directory(name, verbose=False)):
+        return load(name=name, sources=[_source(source) for source in sources], extra_cflags=["-O2", "-std=c++17"],
+                    verbose=verbose)
+
+
 def _built() -> bool:
     directory = build_directory()
     return os.path.isdir(directory) and any(name.endswith(".so") for name in os.listdir(directory))

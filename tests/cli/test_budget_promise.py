@@ -100,11 +100,15 @@ def test_whole_run_within_budget_with_no_malloc_variable(tmp_path: Path) -> None
     """Issue 26 item 1: the same loop at --budget 0.3 in the environment a user has (no MALLOC_*
     variable) was refused ("predictions were low by up to 10.9 MiB"); ``acshim run`` now fixes the
     process's mmap threshold itself before torch is imported (``acshim.allocator``): it plans, and
-    every step, the planning step first, is within the budget."""
+    every step, the planning step first, is within the budget, with acshim's CPU allocator caching
+    freed blocks for the planned steps (``acshim.host_allocator``)."""
     loop = HF_LOOP.replace('"budget": budget()}', '"budget": budget(), '
-                           '"allocator": __import__("acshim.allocator").allocator.how_set()}')
+                           '"allocator": __import__("acshim.allocator").allocator.how_set(), '
+                           '"cache": __import__("acshim.host_allocator").host_allocator.stats()}')
     result = _result(_run(tmp_path, loop, "8x384x2", "256,256,256,256", budget="0.3", malloc_variable=False))
     assert result["allocator"] == "mallopt" and result["budget"] is not None, result
+    # the planned steps' tensors came from acshim's allocator, freed blocks served again
+    assert result["cache"]["hits"] > 0, result
     limit = result["budget"] * 1.02
     assert all(peak <= limit for peak in result["peaks"]), (result, [peak / limit for peak in result["peaks"]])
 

@@ -83,6 +83,7 @@ def test_doctor_reports_versions_and_how_each_dialect_is_served(tmp_path: Path, 
     assert "facade under the upstream name (acshim.facades.smdistributed)" in lines["smdistributed"]
     assert "facade under the upstream name" in lines["torch.sagemaker"]
     assert "native extension:" in result.stdout
+    assert "CPU tensor allocator (--budget): not loaded in this process (acshim run --budget compiles" in result.stdout
 
 
 def test_build_ext_without_native_support_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
