@@ -291,7 +291,12 @@ constexpr uint8_t kPriority = 1;  // above c10's DefaultCPUAllocator (registered
 
 void ForkPrepare() { HostCache::Instance().mutex_.lock(); }
 void ForkParent() { HostCache::Instance().mutex_.unlock(); }
-void ForkChild() { HostCache::Instance().mutex_.unlock(); }
+// A forked child (a DataLoader worker) starts with no cache and a bound of what it holds: the
+// parent's cached blocks and its most held are the parent's.
+void ForkChild() {
+  HostCache::Instance().mutex_.unlock();
+  HostCache::Instance().Release();
+}
 
 // Make this the CPU allocator; blocks are mapped per tensor (no cache) until enable_cache().
 bool Install() {

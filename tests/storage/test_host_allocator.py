@@ -152,12 +152,14 @@ def test_fork_profiler_and_uninstall() -> None:
     host_allocator.enable_cache()
     kept = torch.ones(1 << 20)
     del kept
+    parent_cached = host_allocator.cached()
     pid = os.fork()
     if pid == 0:
+        fresh = host_allocator.cached() == 0                      # the parent's cache is not the child's
         for _ in range(50):
             x = torch.randn(512, 512)
             del x
-        os._exit(0)
+        os._exit(0 if fresh and host_allocator.stats()["hits"] > 0 else 3)
     _, code = os.waitpid(pid, 0)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -169,11 +171,11 @@ def test_fork_profiler_and_uninstall() -> None:
     before = host_allocator.stats()
     new = torch.ones(1 << 20)
     del old
-    print("RESULT " + json.dumps({"code": code, "profiled": profiled, "installed": host_allocator.installed(),
+    print("RESULT " + json.dumps({"code": code, "parent_cached": parent_cached, "profiled": profiled, "installed": host_allocator.installed(),
                                   "stats_after": before, "equal": bool(torch.equal(new, torch.ones(1 << 20)))}))
     """
     result = _run(script)
-    assert result["code"] == 0
+    assert result["code"] == 0 and result["parent_cached"] >= 4 << 20, result
     assert result["profiled"] >= 256 * 1024 * 4, result
     assert not result["installed"] and result["stats_after"] == {} and result["equal"], result
 
