@@ -7,7 +7,9 @@ recipe without it). This allocator, made torch's CPU allocator (``c10::SetCPUAll
 blocks of 64 KiB and more itself and, once the plan is made, keeps freed blocks for requests of their
 size, bounded as the CUDA caching allocator's reserved memory is not: what it maps never exceeds the
 most its tensors held at once since the last ``release()``. The process therefore holds no more than
-with a mapping per tensor, and steps that repeat their sizes are served from the cache.
+with a mapping per tensor (but for buffers allocated well before they are written: a cached block is
+resident when handed out, a fresh mapping as it is written), and steps that repeat their sizes are
+served from the cache.
 
 What it keeps free is the planner's to account for, as a GPU's reserved memory is
 (``planner.process``): ``cached()`` is left out of the process's reading, and ``release()`` gives it

@@ -14,7 +14,8 @@
 // - What the allocator has mapped (its "reserved" bytes: tensors' blocks and the cache) never
 //   exceeds the most its tensors ever held at once since the cache was enabled (its "peak"), plus
 //   an optional slack: a request that would pass that first unmaps cached blocks, largest first.
-//   So the process holds no more than with a fresh mapping per tensor, and a training loop whose
+//   So the process holds no more than with a fresh mapping per tensor (except that a cached block is
+//   resident when handed out, a fresh mapping only as it is written), and a training loop whose
 //   steps repeat their sizes is served from the cache from the second step on.
 // - Smaller blocks come from malloc (posix_memalign), as torch's default allocator does.
 // - Every block is reported to torch's profiler as the default allocator reports it

@@ -464,8 +464,8 @@ class PlanSession:
     def _cache_planned_steps(self) -> None:
         """A planned step starts: from here acshim's CPU allocator keeps freed blocks for the steps'
         tensors (``host_allocator``; a measurement made later starts by emptying it, ``trim``). Not on
-        a pipeline stage: its microbatches in flight are checked by ``VmHWM`` alone (not yet measured
-        with the cache)."""
+        a pipeline stage: a cached block is resident when handed out, and a schedule allocates its
+        receive buffers well before it fills them (docs/cli.md)."""
         if self._host_allocator and self.pipeline is None and not host_allocator.caching():
             host_allocator.enable_cache()
 
