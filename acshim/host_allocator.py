@@ -109,8 +109,8 @@ def stats() -> dict[str, int]:
 
 
 def uninstall() -> None:
-    """Restore torch's CPU allocator and unmap the cache (``acshim.uninstall`` and the end of a
-    planned run call it)."""
+    """Restore torch's CPU allocator and unmap the cache (the planner's session calls it when it
+    stops: at the end of ``acshim run --budget``, or where the run is refused)."""
     if _state["installed"]:
         _state["module"].uninstall()
         _state["installed"] = False

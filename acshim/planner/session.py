@@ -182,9 +182,9 @@ class PlanSession:
     """The refusal the counting forward's stop would have given, where it was counted again within
     what that refusal names (``_profile``); None where it was not stopped."""
     _lockstep: LockstepPlanner | None = None
+    """A sharded model's planner on its real steps (``lockstep``)."""
     _host_allocator: bool = False
     """Whether this session installed acshim's CPU allocator (``host_allocator``; ``acshim run`` only)."""
-    """A sharded model's planner on its real steps (``lockstep``)."""
     pipeline: PipelineStage | None = None
     """This rank's pipeline stage (``pipelines``): planned alone, for one microbatch within the
     budget less what the schedule holds, divided by the microbatches it keeps alive at once."""
