@@ -33,7 +33,8 @@ def _max(values: list[float], device: torch.device) -> list[float]:
 def _layout(profile: Profile) -> str:
     """What must be equal on every rank for the numbers to line up: blocks, choices, model."""
     return "|".join([profile.signature, ",".join(profile.choices), ",".join(profile.outside),
-                     *(f"{b.name}:{','.join(sorted(b.held))}:{','.join(sorted(b.window))}" for b in profile.blocks)])
+                     *(f"{b.name}:{','.join(sorted(b.held))}:{','.join(sorted(b.window))}:{','.join(sorted(b.forward))}"
+                       for b in profile.blocks)])
 
 
 def agree_profile(profile: Profile, device: torch.device) -> Profile:
@@ -46,7 +47,7 @@ def agree_profile(profile: Profile, device: torch.device) -> Profile:
                             "or control flow that depends on the rank), so they cannot share one plan")
     fields: list[tuple[Any, str]] = []
     for block in profile.blocks:
-        for table in (block.held, block.transient, block.seconds, block.window):
+        for table in (block.held, block.transient, block.seconds, block.window, block.forward):
             fields += [(table, key) for key in sorted(table)]
         fields.append((block, "saved"))
     fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds", "other_saved")]

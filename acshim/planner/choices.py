@@ -8,12 +8,14 @@ undoes a plan like any other policy.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..apply import APPLIED_ATTRIBUTE
+from ..backends import backend_for
 from ..options import RegionOptions
 from ..selective import DEFAULT_SAVE_OPS, save_ops
 from ..wrap import (
@@ -113,6 +115,20 @@ class SharedOffload:
     def __reduce__(self) -> tuple[Any, ...]:
         # Copies get a fresh schedule (pickle's memo keeps one per model when blocks go together).
         return (SharedOffload, (self.storage, self.prefetch, self.in_flight))
+
+
+def copies_outlive_blocks(choices: list[str], device: torch.device) -> bool:
+    """Whether an offloaded block's copies out may still be in flight once its forward has returned,
+    for the offload tiers among ``choices`` on ``device``: a block's scope waits at its exit for the
+    copies that may fail (``OffloadSession.forward_end``, ``Backend.copy_out_can_fail``: every copy on
+    CPU, the disk tier's on CUDA), and not for the others (the CUDA host tier's)."""
+    tiers = {choice.partition(":")[2] for choice in choices if is_offload(choice)}
+    try:
+        backend = backend_for(device)
+    except NotImplementedError:  # a device kind without a backend: assume the worst
+        return bool(tiers)
+    # copy_out_can_fail reads the tier's kind only
+    return any(not backend.copy_out_can_fail(SimpleNamespace(kind=tier)) for tier in tiers)  # type: ignore[arg-type]
 
 
 def offload_scopes(choices: list[str], outside: str, prefetch: int, in_flight: int) -> dict[str, SharedOffload]:

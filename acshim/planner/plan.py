@@ -167,8 +167,12 @@ class Plan:
                     f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
                     f"({self.seconds / ref_seconds:.2f}x)")
         if self.in_flight > SharedOffload.IN_FLIGHT:
+            extra = self.in_flight - SharedOffload.IN_FLIGHT
+            rise = (self.profile.peak_of(self.choices, self.outside, extra)
+                    - self.profile.peak_of(self.choices, self.outside))
             rows.append(f"copies out in flight: up to {format_bytes(self.in_flight)} (room left under the budget; "
-                        f"{format_bytes(self.in_flight - SharedOffload.IN_FLIGHT)} of it in the predicted peak)")
+                        f"{format_bytes(extra)} beyond the profiles' own, adding {format_bytes(rise)} to the "
+                        "predicted peak where they can be in flight)")
         if self.measured_peak is not None:
             process = ("" if self.measured_process_peak is None
                        else f"; process peak above the step's start {format_bytes(self.measured_process_peak)}")
@@ -314,8 +318,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                              f"low by up to {format_bytes(budget_bytes - overhead - target)} and the tightened "
                              f"budget is below the least achievable peak {format_bytes(error.minimum + overhead)}"
                              ) from None
-        extra = _extra_in_flight(found, target)
-        result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak + extra,
+        extra, rise = _extra_in_flight(profile, found, target - found.peak)
+        result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak + rise,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
                       notes=list(notes), outside=found.outside, overhead=overhead,
                       in_flight=SharedOffload.IN_FLIGHT + extra)
@@ -329,10 +333,10 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                           f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
         if not verified.stopped and seen <= accept:
             result.verified_seconds = verified.seconds
-            # copies in flight add at most their own bytes to what was measured: the room the
-            # measurement left (predictions of offloading plans run high) lets more be in flight
-            widen = _extra_in_flight(found, found.peak + accept - seen, result.in_flight - SharedOffload.IN_FLIGHT)
-            result.in_flight, result.peak = result.in_flight + widen, result.peak + widen
+            # copies in flight add to the peak where they can be in flight (Profile.peak_of): the room
+            # the measurement left lets more be in flight where what they add fits it
+            widen, rise = _extra_in_flight(profile, found, accept - seen, result.in_flight - SharedOffload.IN_FLIGHT)
+            result.in_flight, result.peak = result.in_flight + widen, result.peak + rise
             if target != accept - overhead:
                 result.notes.append(f"re-solved under {format_bytes(target)}: an earlier plan measured over budget")
             return result
@@ -353,14 +357,25 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                      f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
 
 
-def _extra_in_flight(found: Solution, target: int, already: int = 0) -> int:
+def _extra_in_flight(profile: Profile, found: Solution, room: int, already: int = 0) -> tuple[int, int]:
     """Bytes of copies in flight an offloading solution may have beyond the profiles' own and
-    ``already`` granted: the room between its predicted peak and ``target``, up to
-    ``SharedOffload.MAX_IN_FLIGHT`` in all (a tightened target after a plan measured over budget
-    leaves less room)."""
-    if not any(is_offload(c) for c in [*found.choices, split_outside(found.outside)[0]]):
-        return 0
-    return max(0, min(SharedOffload.MAX_IN_FLIGHT - SharedOffload.IN_FLIGHT - already, target - found.peak))
+    ``already`` granted, and what they add to its predicted peak (``Profile.peak_of``'s ``extra``:
+    only where copies can be in flight, not in a backward their reads wait in): the most, up to
+    ``SharedOffload.MAX_IN_FLIGHT`` in all, whose rise fits ``room`` (a tightened target after a plan
+    measured over budget leaves less room)."""
+    most = SharedOffload.MAX_IN_FLIGHT - SharedOffload.IN_FLIGHT - already
+    if not profile.offloads(found.choices, split_outside(found.outside)[0]) or most <= 0 or room < 0:
+        return 0, 0
+    base = profile.peak_of(found.choices, found.outside, already)
+
+    def rise(extra: int) -> int:
+        return profile.peak_of(found.choices, found.outside, already + extra) - base
+
+    low, high = 0, most  # the rise grows with the extra: the largest extra whose rise fits the room
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if rise(middle) <= room else (low, middle - 1)
+    return low, rise(low)
 
 
 class PlanFileMismatch(ValueError):

@@ -384,7 +384,7 @@ class RegionProfiler:
             if site.key in self._measured:
                 first = self._measured[site.key][0]
                 profiles.append(BlockProfile(name, first.held, first.transient, first.seconds, first.name,
-                                             first.window, site.saved))  # shares the first one's tables
+                                             first.window, site.saved, first.forward))  # the first one's tables
                 continue
             profile = BlockProfile(name, {c: INFEASIBLE for c in choices}, {c: INFEASIBLE for c in choices},
                                    {c: float("inf") for c in choices}, window={c: 0 for c in choices},
@@ -511,6 +511,8 @@ class RegionProfiler:
         in_flight = _in_flight(site) if moves_data(choice) else 0
         profile.held[choice], profile.transient[choice] = found.held, with_copies_in_flight(found, in_flight)
         profile.window[choice] = found.window
+        if in_flight:
+            profile.forward[choice] = found.forward
         return True
 
     def needed_for(self, choices: list[str], outside: str) -> int:

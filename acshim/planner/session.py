@@ -55,6 +55,7 @@ from .choices import (
     BASE_CHOICES,
     SharedOffload,
     choice_options,
+    copies_outlive_blocks,
     expand_choices,
     install_outside,
     offload_scopes,
@@ -936,6 +937,7 @@ class PlanSession:
                                              for n, s in zip(names, self.sites, strict=True)]),
             prefetch=self.prefetch, method=METHOD, outside=outside, other_saved=counted.bytes.get(-1, 0),
             stops=dict(profiler.stops), unchecked_floor=int(FAKE_PEAK_SHARE * self._fake_peak),
+            copies_outlive_blocks=copies_outlive_blocks(choices, device_of(root)),
             recompute_step={"saved": counted.total(),
                             "forward_seconds": sum(site.forward_seconds for site in self.sites)})
         if self._agreed():  # every rank solves the same numbers, so every rank gets the same plan

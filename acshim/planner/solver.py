@@ -452,7 +452,7 @@ def breakdown(profile: Profile, overhead: int = 0) -> list[tuple[str, int]]:
              ("its backward (the head's gradients, the loss) adds up to", other_transient),
              (f"the blocks hold ({', '.join(sorted(set(choices)))})", held),
              (f"the largest block transient ({widest[0].name} as {widest[1]}) is", widest[0].transient[widest[1]]),
-             ("the offload window is", profile.window() if any(is_offload(c) for c in [*choices, outside]) else 0),
+             ("the offload window is", profile.window() if profile.offloads(choices, outside) else 0),
              ("the process held besides (the step's first part, worker threads, buffers)", overhead)]
     return sorted([p for p in parts if p[1] > 0], key=lambda p: -p[1])
 
