@@ -119,7 +119,8 @@ class Profile:
         own (``copies_outlive_blocks``): without them, HF GPT-2 8x384 at ``--budget 0.3`` was planned
         as 5 offload:disk, 2 selective-alt, keep in one process and 6 offload:disk, selective, keep
         in the next (0.2% of a step apart in predicted time, 8 MiB apart in peak, at the budget's
-        edge), where with them both take the second."""
+        edge); with them, that pair of processes both took the second (a busy core can still flip a
+        plan there between recompute and offload: offloading's time estimate)."""
         windows = [size for b in self.blocks for c, size in b.window.items() if is_offload(c) and feasible(b, c)]
         return max(windows) + self.in_flight() if windows else 0
 
