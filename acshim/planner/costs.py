@@ -15,6 +15,19 @@ copies took on other threads (``time.process_time`` less the calling thread's): 
 those threads run beside compute on a spare core, on a busy one they take its place, and the
 estimate is the busy machine's, so that an offloading plan is chosen only where it wins either way
 and the same inputs give the same plan whatever else shares the cores.
+
+Two costs of moving data show in a step and not in those figures, so a block measured alone is also
+charged them (``estimate(..., alone=True)``): the waits of its backward for reads its prefetch had
+not landed (``waits``: the offload session's own count, which excludes the wait for the forward's
+last copies that a block alone meets and a block in a step does not), and the slowdown of its own
+operators while its copies ran beside them (``slowdown``: its operators' time over their least,
+against the same figure of the block kept; the copies take memory bandwidth and cache from the
+compute, which the least durations, taken from runs with no copies, do not show). On HF GPT-2 8x384
+(batch 2x256) an offloaded block ran 1.17x its prediction in the plan's steps, with 67-96 ms a step
+of prefetch waits, where recompute ran as predicted: the plan with 6 blocks on disk stepped in
+1.18-1.40 s and the one recomputing them in 1.03-1.07 s, and without these charges the planner took
+the first in most processes and the second in the rest (alone, that block's operators ran 1.11-1.23x
+keep's ratio to their least, and its backward waited 7-8 ms).
 """
 
 from __future__ import annotations
@@ -54,17 +67,26 @@ class RunTime:
     """One timed run: its untracked wall time, its operators' durations and the processor time other
     threads spent meanwhile (``other_cpu``)."""
 
-    def __init__(self, wall: float, own: float, durations: list[tuple[Any, float]], other_cpu: float = 0.0) -> None:
+    def __init__(self, wall: float, own: float, durations: list[tuple[Any, float]], other_cpu: float = 0.0,
+                 waits: float = 0.0) -> None:
         self.seconds = max(0.0, wall - own)
         self.durations = durations
         self.in_ops = sum(seconds for _, seconds in durations)
         self.other_cpu = max(0.0, other_cpu)
+        self.waits = max(0.0, waits)
+        """Backward's waits for reads not yet landed (an offload session's ``stats.wait_seconds``)."""
+
+    def slowdown(self, times: OpTimes) -> float:
+        """This run's operators' time over the same operators at their least observed durations."""
+        least = times.compute_seconds(self.durations)
+        return self.in_ops / least if least > 0 else 1.0
 
     @property
     def between_ops(self) -> float:
         return max(0.0, self.seconds - self.in_ops)
 
-    def estimate(self, times: OpTimes, moves_data: bool = False, alone: bool = False) -> float:
+    def estimate(self, times: OpTimes, moves_data: bool = False, alone: bool = False, kept: RunTime | None = None
+                 ) -> float:
         """Seconds untracked, operators and the time between them at their least observed rates;
         ``moves_data`` (offload): plus the other threads' processor time and its own time between
         operators beyond that rate (waits for copies; see the module docstring), except for a part
@@ -73,12 +95,17 @@ class RunTime:
         forwards and backwards (prefetch), and how long it waits follows the machine's load. On HF
         GPT-2 8x512 those waits made a block's disk offload 1.41x of keeping it where the whole step
         offloaded measured 1.12x idle, 1.17x with a core kept busy; a plan's step as it really runs
-        is measured when it is verified, and re-solved if slower than predicted (feedback.py)."""
+        is measured when it is verified, and re-solved if slower than predicted (feedback.py). A part
+        run alone is charged instead its backward's prefetch ``waits`` and, against the run of the
+        same part ``kept`` (no copies), its operators' extra ``slowdown`` (module docstring)."""
         rate = times.per_op if times.per_op < float("inf") else self.between_ops / max(1, len(self.durations))
         between = rate * len(self.durations)
-        seconds = times.compute_seconds(self.durations) + between
+        compute = times.compute_seconds(self.durations)
+        seconds = compute + between
         if moves_data:
-            seconds += self.other_cpu + (0.0 if alone else max(0.0, self.between_ops - between))
+            seconds += self.other_cpu + (self.waits if alone else max(0.0, self.between_ops - between))
+            if alone and kept is not None:
+                seconds += compute * max(0.0, self.slowdown(times) / kept.slowdown(times) - 1.0)
         return seconds
 
 

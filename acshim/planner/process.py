@@ -185,16 +185,21 @@ class ProcessMemory:
                 self.available = False
 
     def current(self) -> int:
+        return self.read()[0]
+
+    def read(self) -> tuple[int, int]:
+        """``(current(), file_backed())`` from one read of ``statm``: the guard samples both after
+        every operator, and three reads an operator were a tenth of planning a small model."""
         if not self.available:
-            return 0
+            return 0, 0
         if self.device.type == "cuda":
-            return int(torch.cuda.memory_reserved(self.device))
+            return int(torch.cuda.memory_reserved(self.device)), 0
         if self._fd is None:
-            return 0
+            return 0, 0
         with self._lock:  # one shared descriptor; pread has no file position to race on, the lock is cheap
             fields = os.pread(self._fd, 128, 0).split()
         # resident less file-backed, less the freed blocks acshim's allocator keeps (the module docstring)
-        return (int(fields[1]) - int(fields[2])) * _PAGE - host_allocator.cached()
+        return (int(fields[1]) - int(fields[2])) * _PAGE - host_allocator.cached(), int(fields[2]) * _PAGE
 
     def file_backed(self) -> int:
         """Bytes of file-backed (and shared) pages resident on CPU (``statm``'s shared field): library
@@ -202,11 +207,7 @@ class ProcessMemory:
         that pages code in after its start holds them for the rest of the run, and ``VmHWM`` counts
         them (the session charges that growth once, ``PlanSession._paged_in``). 0 on a CUDA device
         and where statm cannot be read."""
-        if not self.available or self.device.type != "cpu" or self._fd is None:
-            return 0
-        with self._lock:
-            fields = os.pread(self._fd, 128, 0).split()
-        return int(fields[2]) * _PAGE
+        return self.read()[1] if self.device.type == "cpu" else 0
 
     def reusable(self) -> int:
         """Bytes new tensors can take without raising ``current()``: on a CUDA device, the blocks the
@@ -279,6 +280,8 @@ class Guard(TorchDispatchMode):
         self.last = 0
         self.largest_step = 0
         """The largest rise of the process's memory across one operator seen so far."""
+        self._file_backed: int | None = None
+        """File-backed bytes at the last sample (``current_limit``)."""
         BackwardDrain.prepare()  # before the graphs of the measurements this guard may stop
 
     @classmethod
@@ -289,7 +292,8 @@ class Guard(TorchDispatchMode):
         return self.memory.current() - self.baseline
 
     def sample(self) -> int:
-        used = self.used()
+        current, self._file_backed = self.memory.read()
+        used = current - self.baseline
         self.peak = max(self.peak, used)
         self.window_peak = max(self.window_peak, used)
         self.last = used
@@ -299,11 +303,13 @@ class Guard(TorchDispatchMode):
         return used
 
     def current_limit(self) -> int | None:
-        """The limit on ``used()``: the budget's, less the code paged in since the step's start."""
+        """The limit on ``used()``: the budget's, less the code paged in since the step's start (as
+        of the last sample, which is as fresh as ``last``)."""
         limit = self.limit() if callable(self.limit) else self.limit
         if limit is None or self.file_baseline is None:
             return limit
-        return limit - max(0, self.memory.file_backed() - self.file_baseline)
+        file_backed = self.memory.file_backed() if self._file_backed is None else self._file_backed
+        return limit - max(0, file_backed - self.file_baseline)
 
     def open_window(self, what: str) -> None:
         """Start a measurement named ``what``: free heap memory goes back to the system (with glibc's

@@ -372,7 +372,8 @@ def measure_choice(call: Callable[..., Any], args: Any, kwargs: Any, flags: list
     reset()
     held, peak = series[tracker.marks["forward"] - 1], max(series)
     forward = max(0, max(series[:tracker.marks["forward"]]) - held)
-    run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
+    waits = offload.session.stats.wait_seconds if offload is not None else 0.0
+    run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu, waits)
     if offload is None:
         return ChoiceMeasurement(held, peak - held, 0, run, forward)
     window = max(0, series[tracker.marks["kept"] - 1] - held) if tracker.marks["kept"] else 0

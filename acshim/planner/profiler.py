@@ -528,7 +528,8 @@ class RegionProfiler:
     def _estimate_seconds(self) -> None:
         """Every measured choice's seconds from the cost model as calibrated by all runs so far."""
         for profile, runs, _ in self._measured.values():
-            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data=moves_data(c), alone=True)
+            kept = runs["keep"].run if "keep" in runs else None
+            profile.seconds.update({c: runs[c].run.estimate(self.times, moves_data=moves_data(c), alone=True, kept=kept)
                                     for c in runs})
 
     def _alone(self, site: Any, choice: str) -> ChoiceMeasurement | None:
