@@ -45,6 +45,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under several xdist workers, leave out the tests marked ``exclusive``: they measure timing
+    under a load they set themselves (idle, then one core kept busy), which another worker's tests
+    would change. They run alone after the parallel run (README's test command: ``pytest -m
+    exclusive``). Deselected, not skipped: a skip would count against the compat rows naming them."""
+    if int(getattr(config, "workerinput", {}).get("workercount", 1)) <= 1:
+        return
+    exclusive = [item for item in items if item.get_closest_marker("exclusive")]
+    if exclusive:
+        config.hook.pytest_deselected(items=exclusive)
+        items[:] = [item for item in items if not item.get_closest_marker("exclusive")]
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     directory = _session.pop("extensions", None)
     if directory:
