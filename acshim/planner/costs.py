@@ -27,8 +27,10 @@ compute, which the least durations, taken from runs with no copies, do not show)
 of prefetch waits, where recompute ran as predicted: the plan with 6 blocks on disk stepped in
 1.18-1.41 s and, re-solved in another process, the one recomputing them in 1.03-1.07 s (pinned with
 ``--plan-file``, two rounds of 7 steps: medians 1.27 and 1.26 s against 1.07 and 1.20 s), and
-without these charges the planner took the first in most processes and the second in the rest (alone, that block's operators ran 1.11-1.23x
-keep's ratio to their least, and its backward waited 7-8 ms).
+without these charges the planner took the first in most processes and the second in the rest
+(alone, that block's operators ran 1.11-1.23x keep's ratio to their least, and its backward waited
+7-8 ms). Under load the slowdown is noise (0.91-1.09x with two cores kept busy), and plans there can
+still differ from an idle machine's.
 """
 
 from __future__ import annotations

@@ -188,8 +188,8 @@ class ProcessMemory:
         return self.read()[0]
 
     def read(self) -> tuple[int, int]:
-        """``(current(), file_backed())`` from one read of ``statm``: the guard samples both after
-        every operator, and three reads an operator were a tenth of planning a small model."""
+        """``(current(), file_backed())`` from one read of ``statm``: the guard needs both after
+        every operator (it read the file three times an operator before; not timed apart)."""
         if not self.available:
             return 0, 0
         if self.device.type == "cuda":

@@ -51,8 +51,12 @@ def test_a_tier_whose_reads_are_late_makes_offloading_a_block_estimated_slower_b
     """A block's backward that waits for reads its prefetch had not landed runs that much slower in
     a step too: the estimate charges those waits (before, only processor time was charged, and a
     sleeping read cost nothing)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    prompt = _offload_seconds(monkeypatch, 0.0)
-    late = _offload_seconds(monkeypatch, 0.02)
+    try:
+        prompt = _offload_seconds(monkeypatch, 0.0)
+        late = _offload_seconds(monkeypatch, 0.02)
+    finally:
+        torch.set_num_threads(threads)
     # the block saves several tensors; with two prefetched ahead, most of its reads come late
     assert late - prompt > 0.05, (prompt, late)
