@@ -18,7 +18,8 @@ dropout; ``--model gpt``: acshim.testing.GPT of that shape; random weights, noth
 - step time: all configurations in one process, interleaved, the order rotated each round; the
   median of per-round ratios to no checkpointing.
 - checks, per budget: the plan's RSS peak within it (2%), and its step no slower than the fastest
-  fixed recipe whose RSS peak fits the same budget, + 3%.
+  fixed recipe whose RSS peak fits the same budget, + 3%; and the plan's whole-step prediction
+  (activations and what the process held besides when it was solved) against that RSS peak.
 
 ``--load both`` (default) runs it twice: idle, then with a busy-loop process on one core that the
 benchmark starts and kills by pid (bounded by ``--busy-seconds`` in any case); ``idle`` / ``busy``
@@ -404,7 +405,8 @@ def child_main(kind: str, args: argparse.Namespace, extra: list[str]) -> dict[st
         seconds = time.perf_counter() - start
         found.save(path)
         return {"planning_seconds": seconds, "none_seconds": none, "choices": found.choices, "outside": found.outside,
-                "predicted_peak": found.peak, "measured_process_peak": found.measured_process_peak}
+                "predicted_peak": found.peak, "predicted_whole": found.peak + found.overhead,
+                "measured_process_peak": found.measured_process_peak}
     config = plan_config(extra[1]) if extra[0] == "plan" else fixed_configs(work)[extra[0]]
     model, scope = config(model)
     step = make_step(model, work.batch, scope)
@@ -485,24 +487,32 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
         print(f"| {name} | {peaks[name] / none_peak:.2f} | {steps[name]:.2f} |")
     print(f"\nno checkpointing: peak {none_peak / 2**20:.1f} MiB above the baseline\n")
     print("| budget × none | plan (blocks; outside) | peak × none (RSS) | within budget | step × none "
-          "| fastest fixed recipe within the budget (step ×) | plan ≤ it + 3% | planning (steps of none) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| fastest fixed recipe within the budget (step ×) | plan ≤ it + 3% | planning (steps of none) "
+          "| predicted / measured whole step (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fraction, found in plans.items():
         budget = fraction * none_peak
         fitting = [name for name in fixed if peaks[name] <= budget * 1.02]
         best = min(fitting, key=lambda name: steps[name], default=None)
         recipe = f"{best} ({steps[best]:.2f})" if best else "none fits"
         if "error" in found:
-            print(f"| {fraction:.2f} | refused: {found['error'][:120]} | | | | {recipe} | | |")
+            print(f"| {fraction:.2f} | refused: {found['error'][:120]} | | | | {recipe} | | | |")
             continue
         name = f"plan @ {fraction:.2f}"
         within = "yes" if found["peak"] <= budget * 1.02 else "NO"
         faster = "" if best is None else ("yes" if steps[name] <= steps[best] * (1 + args.tolerance_recipe) else "NO")
         print(f"| {fraction:.2f} | {_label(found['choices'], found['outside'])} | {found['peak'] / none_peak:.2f} "
               f"| {within} | {steps[name]:.2f} | {recipe} | {faster} "
-              f"| {found['planning_seconds'] / found['none_seconds']:.1f} |")
+              f"| {found['planning_seconds'] / found['none_seconds']:.1f} "
+              f"| {_predicted_measured(found['predicted_whole'], found['peak'])} |")
     print("\nPlans per block: K keep, S selective, S2 every other matmul, R full recompute, Od offload to disk, "
           "ROd recompute with the input offloaded; `| out Od`: the part outside the blocks offloaded.\n")
+
+
+def _predicted_measured(predicted: int, measured: int) -> str:
+    """The plan's whole-step prediction (its activations' peak and what the process held besides
+    when it was solved) against the peak its own fresh process measured by RSS, and their ratio."""
+    return f"{predicted / 2**20:.1f} / {measured / 2**20:.1f} ({predicted / measured:.2f}x)"
 
 
 # ------------------------------------------------------------------------------------------ --sweep
