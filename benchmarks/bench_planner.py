@@ -18,8 +18,9 @@ dropout; ``--model gpt``: acshim.testing.GPT of that shape; random weights, noth
 - step time: all configurations in one process, interleaved, the order rotated each round; the
   median of per-round ratios to no checkpointing.
 - checks, per budget: the plan's RSS peak within it (2%), and its step no slower than the fastest
-  fixed recipe whose RSS peak fits the same budget, + 3%; and the plan's whole-step prediction
-  (activations and what the process held besides when it was solved) against that RSS peak.
+  fixed recipe whose RSS peak fits the same budget, + 3%; and the plan's predictions against
+  measurements: its activations' peak against that RSS peak, its whole step (with what the planning
+  process held besides) against the step that verified it.
 
 ``--load both`` (default) runs it twice: idle, then with a busy-loop process on one core that the
 benchmark starts and kills by pid (bounded by ``--busy-seconds`` in any case); ``idle`` / ``busy``
@@ -488,7 +489,7 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
     print(f"\nno checkpointing: peak {none_peak / 2**20:.1f} MiB above the baseline\n")
     print("| budget × none | plan (blocks; outside) | peak × none (RSS) | within budget | step × none "
           "| fastest fixed recipe within the budget (step ×) | plan ≤ it + 3% | planning (steps of none) "
-          "| predicted / measured whole step (MiB) |")
+          "| predicted / measured (MiB): peak in its own process; whole step verified |")
     print("|---|---|---|---|---|---|---|---|---|")
     for fraction, found in plans.items():
         budget = fraction * none_peak
@@ -504,15 +505,21 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
         print(f"| {fraction:.2f} | {_label(found['choices'], found['outside'])} | {found['peak'] / none_peak:.2f} "
               f"| {within} | {steps[name]:.2f} | {recipe} | {faster} "
               f"| {found['planning_seconds'] / found['none_seconds']:.1f} "
-              f"| {_predicted_measured(found['predicted_whole'], found['peak'])} |")
+              f"| {_predicted_measured(found)} |")
     print("\nPlans per block: K keep, S selective, S2 every other matmul, R full recompute, Od offload to disk, "
           "ROd recompute with the input offloaded; `| out Od`: the part outside the blocks offloaded.\n")
 
 
-def _predicted_measured(predicted: int, measured: int) -> str:
-    """The plan's whole-step prediction (its activations' peak and what the process held besides
-    when it was solved) against the peak its own fresh process measured by RSS, and their ratio."""
-    return f"{predicted / 2**20:.1f} / {measured / 2**20:.1f} ({predicted / measured:.2f}x)"
+def _predicted_measured(found: dict[str, Any]) -> str:
+    """The plan's predictions against measurements, with their ratios: its activations' peak against
+    the peak its own fresh process measured by RSS after two warm-up steps (neither the planning
+    process's other memory nor code paged in there), and its whole step (with what the planning
+    process held besides, code paged in charged) against the step that verified it there."""
+    def pair(predicted: int, measured: int | None) -> str:
+        if not measured:
+            return f"{predicted / 2**20:.1f} / -"
+        return f"{predicted / 2**20:.1f} / {measured / 2**20:.1f} ({predicted / measured:.2f}x)"
+    return f"{pair(found['predicted_peak'], found['peak'])}; {pair(found['predicted_whole'], found['measured_process_peak'])}"
 
 
 # ------------------------------------------------------------------------------------------ --sweep

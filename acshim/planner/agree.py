@@ -51,6 +51,7 @@ def agree_profile(profile: Profile, device: torch.device) -> Profile:
             fields += [(table, key) for key in sorted(table)]
         fields.append((block, "saved"))
     fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds", "other_saved")]
+    fields += [(None, "other_back")] if profile.other_back is not None else []
     fields += [(profile.outside[choice], key) for choice in profile.outside for key in sorted(profile.outside[choice])]
     fields += [(profile.recompute_step, key) for key in sorted(profile.recompute_step)]
     values = [float(_get(profile, table, key)) for table, key in fields]

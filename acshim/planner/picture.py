@@ -27,6 +27,7 @@ def timeline(profile: Profile, assignment: list[str], outside: str = "keep") -> 
     """``(label, live bytes)`` at each point of one predicted step; its maximum is
     ``profile.peak_of(assignment, outside)``."""
     other_held, other_transient, _ = profile.other(outside)
+    back = profile.back(outside)  # what the part outside holds while the blocks run
     window, first = profile.window(), is_offload(outside)
     points = [("start", 0)]
     prefix, seen, prefixes, extras = 0, False, [], []
@@ -35,13 +36,13 @@ def timeline(profile: Profile, assignment: list[str], outside: str = "keep") -> 
         extras.append(window if (seen or first) and not is_offload(choice) else 0)
         seen = seen or is_offload(choice)
         prefixes.append(prefix)
-        points.append((f"fwd {block.name}", prefix))
+        points.append((f"fwd {block.name}", back + prefix))
     points.append(("head+loss", other_held + prefix + other_transient + (window if seen else 0)))
     points.append(("forward end", other_held + prefix))
     for index in reversed(range(len(profile.blocks))):
         block, choice = profile.blocks[index], assignment[index]
-        points.append((f"bwd {block.name}", other_held + prefixes[index] + block.transient[choice] + extras[index]))
-        points.append((f"after {block.name}", other_held + prefixes[index] - block.held[choice]))
+        points.append((f"bwd {block.name}", back + prefixes[index] + block.transient[choice] + extras[index]))
+        points.append((f"after {block.name}", back + prefixes[index] - block.held[choice]))
     return points
 
 

@@ -88,6 +88,14 @@ class Profile:
     unmeasured: list[str] = field(default_factory=list)
     """Choices left unmeasured because no plan within reach of the budget would take them (the
     planner's ``DEFERRED``): ``INFEASIBLE`` here, so ``frontier()`` below this budget leaves them out."""
+    other_back: int | None = None
+    """What the part outside the blocks (run as ``keep``) still holds while the blocks run: its bytes
+    once the head's and the loss's backward is over (the embeddings' saved tensors and the incoming
+    gradient), at most ``other_held``; None where it was not measured (a sharded model's profile, an
+    older plan file): ``other_held`` then. The head's saved tensors are freed before any block's
+    backward and made after every block's forward, so a block's peak does not meet them: counting
+    them there predicted HF GPT-2 8x512's all-disk plan at 37.1 MiB of activations where its steps
+    held 32.1-33.0 MiB. Offloaded outside choices keep theirs in ``outside[choice]["back"]``."""
     copies_outlive_blocks: bool = True
     """Whether an offloaded block's copies out may still be in flight once its forward has returned
     (``choices.copies_outlive_blocks``: the CUDA host tier's). Where they may not (every tier on CPU,
@@ -110,6 +118,13 @@ class Profile:
             raise ValueError(f"outside choice {outside!r} was not profiled; profiled: {['keep', *self.outside]}")
         entry = self.outside[outside]
         return int(entry["held"]), int(entry["transient"]), float(entry["seconds"])
+
+    def back(self, outside: str = "keep") -> int:
+        """What the part outside the blocks run as ``outside`` holds while the blocks run
+        (``other_back``; its held bytes where that was not measured)."""
+        held = self.other(outside)[0]
+        found = self.other_back if outside == "keep" else self.outside.get(outside, {}).get("back")
+        return held if found is None else min(held, int(found))
 
     def window(self) -> int:
         """Bytes the shared offload schedule holds besides the blocks' own, from the first offloaded
@@ -137,7 +152,8 @@ class Profile:
         return min(SharedOffload.IN_FLIGHT, 2 * largest) if largest else SharedOffload.IN_FLIGHT
 
     def peak_of(self, assignment: list[str], outside: str = "keep", extra: int = 0) -> int:
-        """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes;
+        """Predicted peak (see ``solver``): while block i runs, blocks before it hold their bytes and
+        the part outside the blocks what it holds then (``back``: not the head's saved tensors);
         after the first offloaded block (from the start when the outside part is offloaded: the
         embeddings' tensors come first), the shared schedule's window is resident too (an offloaded
         block's own transient includes it: it was measured among offloaded blocks). ``extra``: bytes
@@ -158,7 +174,7 @@ class Profile:
                 worst = max(worst, prefix + block.transient[choice] + beside)
             seen = seen or is_offload(choice)
         after = window + (extra if lingering else 0) if seen else 0
-        return min(INFEASIBLE, other_held + max(worst, prefix + other_transient + after))
+        return min(INFEASIBLE, max(self.back(outside) + worst, other_held + prefix + other_transient + after))
 
     def offloads(self, assignment: list[str], outside: str = "keep") -> bool:
         """Whether ``assignment`` / ``outside`` offloads anything (copies in flight only then)."""
@@ -182,7 +198,7 @@ class Profile:
                 "signature": self.signature, "prefetch": self.prefetch, "method": self.method,
                 "recompute_step": self.recompute_step, "outside": self.outside, "other_saved": self.other_saved,
                 "inputs": self.inputs, "stops": self.stops, "unmeasured": self.unmeasured,
-                "copies_outlive_blocks": self.copies_outlive_blocks}
+                "copies_outlive_blocks": self.copies_outlive_blocks, "other_back": self.other_back}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:

@@ -367,9 +367,13 @@ class RegionProfiler:
         tracker.release()
         held = series[tracker.marks["forward"] - 1]
         head = max(tracker.marks.get("head", len(series)), tracker.marks["forward"])
+        # what is left once the head's backward is over, when the blocks' backward begins, less the
+        # gradient it reaches them with (each block's own measurement counts its incoming gradient)
+        back = min(held, max(0, series[head - 1] - tracker.reached.get("head", 0))) if "head" in tracker.marks \
+            else held
         run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)
         self.times.observe_run(run, moves_data=is_offload(choice))
-        return {"held": held, "transient": max(0, max(series[:head]) - held),
+        return {"held": held, "back": back, "transient": max(0, max(series[:head]) - held),
                 "seconds": run.estimate(self.times, moves_data=is_offload(choice), alone=True)}
 
     # ---------------------------------------------------------------------------------- 3. regions
@@ -461,7 +465,7 @@ class RegionProfiler:
         if not profile.outside_choices() and profile.other_held >= INFEASIBLE:
             kept = self.outside("keep")
             profile.other_held, profile.other_transient = int(kept["held"]), int(kept["transient"])
-            profile.other_seconds = kept["seconds"]
+            profile.other_seconds, profile.other_back = kept["seconds"], int(kept.get("back", kept["held"]))
         for key, (block, runs, site) in self._measured.items():
             if site.captured is None or any(feasible(block, c) for c in block.held):
                 continue
@@ -661,10 +665,16 @@ def _memory_rank(choice: str) -> tuple[int, int]:
 
 
 def _mark_when_reached(output: Any, tracker: LiveBytes, name: str) -> None:
-    """Mark ``name`` on ``tracker`` when backward reaches ``output`` (the head's backward is over)."""
+    """Mark ``name`` on ``tracker`` when backward reaches ``output`` (the head's backward is over),
+    noting the bytes of the gradient it reaches with in ``tracker.reached[name]``."""
+    def reached(grad: torch.Tensor) -> None:
+        if name not in tracker.marks:
+            tracker.mark(name)
+            tracker.reached[name] = grad.untyped_storage().nbytes()
+
     for leaf in structures.flatten(output)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            leaf.register_hook(lambda grad: tracker.mark(name) if name not in tracker.marks else None)
+            leaf.register_hook(reached)
             return
 
 

@@ -932,7 +932,7 @@ class PlanSession:
         root.zero_grad(set_to_none=True)
         profile = Profile(
             blocks=blocks, choices=choices, other_held=int(kept["held"]), other_transient=int(kept["transient"]),
-            other_seconds=kept["seconds"],
+            other_seconds=kept["seconds"], other_back=int(kept.get("back", kept["held"])),
             signature=model_signature(root, [(n, s.owner if s.owner is not None else root)
                                              for n, s in zip(names, self.sites, strict=True)]),
             prefetch=self.prefetch, method=METHOD, outside=outside, other_saved=counted.bytes.get(-1, 0),

@@ -3,10 +3,12 @@
 The peak is bounded from the block-by-block profile: while block i runs (its forward, or its
 recompute and backward) the blocks before it still hold what they saved and the blocks after it
 (already through backward) hold nothing, so
-    peak = other_held + max( sum_j held_j + other_transient,  max_i (sum_{j<=i} held_j + transient_i) )
+    peak = max( other_held + sum_j held_j + other_transient,  other_back + max_i (sum_{j<=i} held_j + transient_i) )
 with ``transient_i`` the block's own high-water mark above its held bytes (incoming gradient and
-recompute included) and ``other_*`` everything outside the blocks (embeddings, head, loss). That is
-at most held-after-forward plus the largest transient (the simpler bound), and tighter. Offloaded
+recompute included), ``other_*`` everything outside the blocks (embeddings, head, loss) and
+``other_back`` what of it is held while the blocks run (``Profile.back``: the head's saved tensors
+are made after the blocks' forward and freed before their backward). That is at most
+held-after-forward plus the largest transient (the simpler bound), and tighter. Offloaded
 blocks share one schedule (``choices.SharedOffload``): its resident window (the last offloaded
 block's last tensors, or an earlier one's prefetched ahead) is added to the transient of every
 block that is not offloaded after the first offloaded one, and to the outside transient when any
@@ -177,7 +179,7 @@ def rounded_peak(profile: Profile, assignment: list[str], outside: str = "keep")
         worst = max(worst, prefix + _up(block.transient[choice], unit) * unit
                     + (window if (seen or first) and not is_offload(choice) else 0))
         seen = seen or is_offload(choice)
-    return other_held + max(worst, prefix + other_transient + (window if seen else 0))
+    return max(profile.back(outside) + worst, other_held + prefix + other_transient + (window if seen else 0))
 
 
 def minimum_peak(profile: Profile) -> int:
@@ -265,11 +267,11 @@ def _search(profile: Profile, budget: int, outside: str = "keep", choices: list[
     if other_held >= INFEASIBLE:
         return None
     first = is_offload(outside)
-    room = budget - other_held
+    room = budget - other_held  # at the head's time: every block's held bytes and the head's
     if room < other_transient:
         return None
     window = _up(profile.window(), unit)
-    size = room // unit
+    size = (budget - profile.back(outside)) // unit  # while the blocks run (at least room)
     final = [(room - other_transient) // unit, (room - other_transient) // unit - window]
     usable = np.array([[feasible(b, c) for c in choices] for b in profile.blocks], dtype=bool)
     held = np.array([[_up(b.held[c], unit) if feasible(b, c) else 0 for c in choices] for b in profile.blocks],

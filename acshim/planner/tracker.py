@@ -39,6 +39,8 @@ class LiveBytes(TorchDispatchMode):
         self.serial = 0
         self.ops = 0
         self.marks: dict[str, int] = {}
+        self.reached: dict[str, int] = {}
+        """Bytes noted with a mark (``profiler._mark_when_reached``: the gradient backward reached it with)."""
         self.paused = False
         self.timed = timed
         self.durations: list[tuple[Any, float]] = []

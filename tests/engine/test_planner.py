@@ -97,14 +97,18 @@ def test_model_without_blocks_is_a_clear_error():
 
 # ---------------------------------------------------------------------------------------------- solver
 def random_profile(rng: random.Random, blocks: int, choices: list[str], outside: bool = False) -> Profile:
+    """Random bytes and times; what the part outside holds while the blocks run (``other_back``) is
+    at most what it holds after forward, or not measured (None: an older profile's)."""
+    held, offloaded = rng.randrange(0, 2000), rng.randrange(0, 2000)
     return Profile(
         blocks=[BlockProfile(f"b{i}", {c: rng.randrange(0, 5000) for c in choices},
                              {c: rng.randrange(0, 3000) for c in choices}, {c: rng.random() for c in choices},
                              window={c: rng.randrange(0, 2000) for c in choices if c.startswith("offload")})
                 for i in range(blocks)],
-        choices=choices, other_held=rng.randrange(0, 2000), other_transient=rng.randrange(0, 2000),
-        other_seconds=0.1, signature="x", prefetch=2,
-        outside={"offload:disk": {"held": rng.randrange(0, 2000), "transient": rng.randrange(0, 2000),
+        choices=choices, other_held=held, other_transient=rng.randrange(0, 2000),
+        other_seconds=0.1, signature="x", prefetch=2, other_back=rng.choice([None, rng.randrange(0, held + 1)]),
+        outside={"offload:disk": {"held": offloaded, "back": rng.randrange(0, offloaded + 1),
+                                  "transient": rng.randrange(0, 2000),
                                   "seconds": rng.choice([0.05, 0.1, 0.3])}} if outside else {})
 
 
@@ -164,6 +168,43 @@ def test_solver_is_exact_against_brute_force(outside, risk, monkeypatch):
             assert found.peak == rounded_peak(profile, found.choices, found.outside) <= budget
             # rounding errs towards more memory
             assert found.peak >= profile.peak_of(found.choices, found.outside)
+
+
+def test_the_heads_saved_tensors_are_not_counted_while_the_blocks_run():
+    """The part outside the blocks holds its head's and loss's saved tensors (the logits) from the
+    head's forward, after every block's forward, to the head's backward, before any block's: a
+    block's backward meets only what it still holds then (``other_back``). Two kept blocks whose
+    backward peaks above the head's time: predicted at ``other_back`` plus their peak, and planned at
+    a budget the bound with every outside byte counted there refused; a profile without it (an older
+    plan file, a sharded model's) is predicted as before."""
+    blocks = [BlockProfile(f"b{i}", {"keep": 100}, {"keep": 2000}, {"keep": 1.0}) for i in range(2)]
+    profile = Profile(blocks, ["keep"], other_held=1000, other_transient=300, other_seconds=0.1, signature="x",
+                      prefetch=2, other_back=10)
+    # max(10 + (100 + 100 + 2000), 1000 + (100 + 100) + 300): the second block's backward
+    assert profile.peak_of(["keep", "keep"]) == 2210
+    assert rounded_peak(profile, ["keep", "keep"]) >= 2210
+    assert solve(profile, 2300).choices == ["keep", "keep"]
+    older = dataclasses.replace(profile, other_back=None)
+    assert older.peak_of(["keep", "keep"]) == 1000 + 2200
+    with pytest.raises(BudgetTooSmall):
+        solve(older, 2300)
+    # where the head's time dominates, that is the peak
+    small = [BlockProfile(f"b{i}", {"keep": 100}, {"keep": 50}, {"keep": 1.0}) for i in range(2)]
+    assert dataclasses.replace(profile, blocks=small).peak_of(["keep", "keep"]) == 1000 + 200 + 300
+    assert Profile.from_json(profile.to_json()).other_back == 10
+
+
+def test_the_profile_measures_what_the_head_leaves_while_the_blocks_run(ids):
+    """Measured on a model with a vocabulary head: what the part outside the blocks holds once the
+    head's and loss's backward is over is less than what it holds after forward by the logits the
+    loss saved (batch x sequence x vocabulary floats; a scalar's bytes either way), and the plan's
+    tracked peak is not predicted below what its verification measured."""
+    found = plan(small_gpt(), ids, budget=0.9, memory="tensors")
+    profile = found.profile
+    logits = ids.numel() * 128 * 4
+    assert profile.other_back is not None
+    assert profile.other_held - profile.other_back >= logits - 64, (profile.other_back, profile.other_held)
+    assert found.measured_peak is not None and found.measured_peak <= found.peak
 
 
 def test_identical_blocks_give_one_plan_whatever_the_noise_in_their_times():
