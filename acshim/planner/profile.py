@@ -90,8 +90,9 @@ class Profile:
     planner's ``DEFERRED``): ``INFEASIBLE`` here, so ``frontier()`` below this budget leaves them out."""
     other_back: int | None = None
     """What the part outside the blocks (run as ``keep``) still holds while the blocks run: its bytes
-    once the head's and the loss's backward is over (the embeddings' saved tensors and the incoming
-    gradient), at most ``other_held``; None where it was not measured (a sharded model's profile, an
+    once the head's and the loss's backward is over (the embeddings' saved tensors; the gradient it
+    passes to the blocks is left out, as each block's measurement counts its incoming gradient), at
+    most ``other_held``; None where it was not measured (a sharded model's profile, an
     older plan file): ``other_held`` then. The head's saved tensors are freed before any block's
     backward and made after every block's forward, so a block's peak does not meet them: counting
     them there predicted HF GPT-2 8x512's all-disk plan at 37.1 MiB of activations where its steps
