@@ -347,9 +347,8 @@ class ChoiceMeasurement:
     window: int
     run: RunTime
     forward: int = 0
-    """The forward's own peak above ``held`` (0 if it never rose above), less what only its copies
-    out still held (``LiveBytes.series_less_copies``): what copies in flight add to
-    (``RegionProfiler._measure``), as they cannot in backward, whose reads wait for them."""
+    """The forward's own peak above ``held`` (0 if it never rose above): what copies still in flight
+    add to (``RegionProfiler._measure``), as they cannot in backward, whose reads wait for them."""
 
 
 def with_copies_in_flight(found: ChoiceMeasurement, in_flight: int) -> int:
@@ -372,10 +371,7 @@ def measure_choice(call: Callable[..., Any], args: Any, kwargs: Any, flags: list
     run. The block's transient with the previous block's window being prefetched is its own plus
     that window."""
     reset()
-    if offload is not None:
-        offload.session.watch_copies()
-    tracker = LiveBytes(set(excluded), timed=True,
-                        copies=offload.session.copies_being_written if offload is not None else None)
+    tracker = LiveBytes(set(excluded), timed=True)
 
     def send_window() -> None:
         assert offload is not None
@@ -388,18 +384,11 @@ def measure_choice(call: Callable[..., Any], args: Any, kwargs: Any, flags: list
             if offload is not None:
                 offload.session.raise_write_errors(wait=True)  # its copies' time is part of it
         tracker.mark("end")
-    ignore = grads()
-    series = tracker.series(ignore)
-    # the forward's own peak without the copies it had in flight: a plan adds the copies it lets be
-    # in flight to it (with_copies_in_flight); counting those measured here too counted them twice
-    # (HF Llama 8x512's all-disk plan: 23.0 MiB predicted, 18.6 measured)
-    less_copies = tracker.series_less_copies(ignore) if offload is not None else series
-    if offload is not None:
-        offload.session.watched_copies = None
+    series = tracker.series(grads())
     tracker.release()
     reset()
     held, peak = series[tracker.marks["forward"] - 1], max(series)
-    forward = max(0, max(less_copies[:tracker.marks["forward"]]) - held)
+    forward = max(0, max(series[:tracker.marks["forward"]]) - held)
     waits = offload.session.stats.wait_seconds if offload is not None else 0.0
     run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu, waits)
     if offload is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,13 +30,8 @@ class LiveBytes(TorchDispatchMode):
     ``timed``: ``durations`` gets ``(operator key, seconds)`` per operator, and ``own_seconds`` the
     time the tracker itself took (subtracted from a wall time to get the untracked one)."""
 
-    def __init__(self, excluded: set[int], timed: bool = False,
-                 copies: Callable[[], list[int]] | None = None) -> None:
+    def __init__(self, excluded: set[int], timed: bool = False) -> None:
         super().__init__()
-        self.copies = copies
-        """The storages copies out are being written from (``OffloadSession.copies_being_written``):
-        ``series_less_copies`` leaves out those only such a copy still holds."""
-        self.copy_samples: list[tuple[int, int]] = []  # (events so far, bytes only copies held)
         self._gc_was_enabled = False
         self.excluded = excluded
         self.live: dict[int, tuple[int, torch.UntypedStorage]] = {}  # storage address -> (serial, storage)
@@ -84,17 +78,6 @@ class LiveBytes(TorchDispatchMode):
         for key in dead:
             serial, storage = self.live.pop(key)
             self.events.append((self.ops, serial, -self.lazy.pop(key, storage.nbytes())))
-        if self.copies is not None:
-            self._sample_copies()
-
-    def _sample_copies(self) -> None:
-        # A storage only a copy out holds has two references: ours and the copy's view of it (one
-        # more of any tensor still in use makes three; a backend holding more views is counted
-        # as in use: the conservative side).
-        only = sum(self.lazy.get(key, self.live[key][1].nbytes()) for key in self.copies()  # type: ignore[misc]
-                   if key in self.live and torch._C._storage_Use_Count(key) <= 2)
-        if only or (self.copy_samples and self.copy_samples[-1][1]):
-            self.copy_samples.append((len(self.events), only))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         entered = time.perf_counter()
@@ -148,25 +131,6 @@ class LiveBytes(TorchDispatchMode):
             if serial not in skipped:
                 total += delta
             out.append(total)
-        return out
-
-    def series_less_copies(self, ignore: set[int]) -> list[int]:
-        """``series`` less the bytes only copies out still held (``copies``): what the step holds
-        with its copies written at once. At each point the least such amount sampled there is
-        taken off (copies finish between operators: the conservative side)."""
-        series = self.series(ignore)
-        held_by_copies: list[int | None] = [None] * len(series)
-        for count, only in self.copy_samples:
-            if count:
-                seen = held_by_copies[count - 1]
-                held_by_copies[count - 1] = only if seen is None else min(seen, only)
-        last, samples, out = 0, iter(self.copy_samples), []
-        pending = next(samples, None)
-        for index, total in enumerate(series):
-            least = held_by_copies[index]
-            while pending is not None and pending[0] - 1 <= index:
-                last, pending = pending[1], next(samples, None)
-            out.append(total - (last if least is None else least))
         return out
 
 

@@ -170,10 +170,6 @@ class OffloadSession:
         """Copies out not collected yet. Handles weakly: a graph dropped without backward (evaluation
         with grad on) frees its slots at once, not when a later pack collects its copies."""
         self._writing_bytes = 0
-        self.watched_copies: dict[int, weakref.ref[torch.Tensor]] | None = None
-        """Storage (``_cdata``) -> the bytes its copy out holds until written (weakly: alive while the
-        copy holds them, so the storage cannot have been freed and its address reused), while a
-        planner measurement watches them (``watch_copies``); None otherwise (nothing recorded)."""
         self.max_bytes_in_flight: int = getattr(tier, "max_bytes_in_flight", DEFAULT_BYTES_IN_FLIGHT)
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[StoredTensor]]] = {}
         """id of a saved tensor's base (itself, or what it views) -> the handle moving its bytes."""
@@ -236,8 +232,6 @@ class OffloadSession:
         if handle.data is None or handle.out is not None:
             return
         handle.out = handle.backend.copy_out(handle.data, self.tier, handle.ready)
-        if self.watched_copies is not None:
-            self.watched_copies[handle.data.untyped_storage()._cdata] = weakref.ref(handle.data)
         handle.data = handle.ready = None
         handle.slot.append((handle.backend, handle.out, self.tier))
         REAPER.watch(handle, release_slot, handle.slot)
@@ -247,22 +241,6 @@ class OffloadSession:
         self.stats.sent_out += 1
         if self._over_limit():
             self.raise_write_errors(wait=False)
-
-    def watch_copies(self) -> None:
-        """Record which storages copies out are being written from (``copies_being_written``)."""
-        with self._lock:
-            self.watched_copies = {}
-
-    def copies_being_written(self) -> list[int]:
-        """The storages (``_cdata``) whose copies out still hold their bytes, since ``watch_copies()``:
-        a copy holds one view of its storage until it has been written (``Backend.copy_out``)."""
-        with self._lock:
-            watched = self.watched_copies
-            if not watched:
-                return []
-            for key in [key for key, held in watched.items() if held() is None]:
-                del watched[key]
-            return list(watched)
 
     def _over_limit(self) -> bool:
         """More bytes wait to be copied out than the oldest copy's backend lets wait."""
@@ -339,8 +317,6 @@ class OffloadSession:
                     if handle is None or handle.out is not ticket:  # its graph is gone, or unpack saw it
                         continue
                     handle.data, handle.out, handle.kept = failure.data, None, True
-                    if self.watched_copies is not None:  # kept by the handle now, not by a copy
-                        self.watched_copies.pop(failure.data.untyped_storage()._cdata, None)
                     failures.append((handle, failure))
         if failures:
             handle, failure = failures[0]

@@ -8,7 +8,6 @@ import importlib
 import itertools
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -830,63 +829,6 @@ def test_copies_in_flight_are_charged_to_the_forward_peak_only(phase):
     else:
         assert found.forward >= 16 << 20
         assert with_copies_in_flight(found, in_flight) == found.forward + in_flight
-
-
-def test_bytes_only_a_copy_in_flight_holds_are_left_out_and_tensors_in_use_are_not():
-    """``LiveBytes.series_less_copies``: a storage whose copy out is being written is left out while
-    the copy's view is all that holds it, and counted while the step still uses it."""
-    from acshim.measure import storage_key
-    from acshim.planner.tracker import LiveBytes
-    from acshim.storage.layout import to_bytes
-
-    being_written: list[torch.Tensor] = []  # the bytes a copy out holds while it writes them
-    tracker = LiveBytes(set(), copies=lambda: [storage_key(view)[0] for view in being_written])
-    with tracker:
-        a = torch.ones(1 << 18)  # 1 MiB
-        being_written.append(to_bytes(a)[0])
-        b = a * 2  # a's copy is in flight, and the step still uses a: counted
-        del a
-        c = b * 2  # a is held by its copy alone: left out
-        del b
-        being_written.clear()  # written
-        d = c * 2
-    mib = [value / (1 << 20) for value in tracker.series(set())]
-    less = [value / (1 << 20) for value in tracker.series_less_copies(set())]
-    del c, d
-    assert mib == [1, 2, 3, 4, 3, 2]  # a, b, c, d made; a and b freed
-    assert less == [1, 2, 2, 3, 2, 2]
-
-
-def test_an_offloaded_blocks_forward_is_measured_without_the_copies_it_had_in_flight(monkeypatch):
-    """Issue 26 item 2: the forward's peak a plan adds its copies in flight to is measured without the
-    copies in flight when it was measured, so slow copies (the disk under load) and fast ones give
-    the same profile (counting them there too predicted HF Llama 8x512's all-disk plan 23% over)."""
-    from acshim.backends import cpu as cpu_backend
-    from acshim.planner.profile import measure_choice
-
-    write = cpu_backend.write_from
-
-    def measured(delay: float) -> tuple[int, int]:
-        def write_slowly(tier, holder):
-            time.sleep(delay)
-            return write(tier, holder)
-
-        monkeypatch.setattr(cpu_backend, "write_from", write_slowly)
-        offload = SharedOffload("disk", prefetch=0)
-
-        def chain(x: torch.Tensor) -> torch.Tensor:
-            with offload:
-                for _ in range(8):
-                    x = torch.sin(x)  # saves its 1 MiB input, which the next step no longer uses
-            return x
-
-        found = measure_choice(chain, (torch.randn(256, 1024),), {}, [True], set(), set, lambda: None, offload)
-        return found.forward, found.transient
-
-    fast_forward, _ = measured(0.0)
-    slow_forward, slow_transient = measured(0.05)
-    assert slow_forward == fast_forward
-    assert slow_transient >= slow_forward + (2 << 20)  # the slow copies were in flight, and held memory
 
 
 def test_copies_in_flight_beyond_the_profiles_are_counted_only_where_they_can_be(ids, half):
