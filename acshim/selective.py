@@ -94,9 +94,52 @@ def save_ops(ops: Iterable[Any] = DEFAULT_SAVE_OPS, *, recompute_every_other: It
         raise ValueError("save_ops needs at least one operator to save; to save nothing use full checkpointing")
 
     def context_fn() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        return create_selective_checkpoint_contexts(_SaveOpsPolicy(save, alternate))
+        forward, recompute = create_selective_checkpoint_contexts(_SaveOpsPolicy(save, alternate))
+        return forward, _recompute_unsaved_extra_ops(recompute)
 
     return functools.update_wrapper(context_fn, save_ops)
+
+
+class _AlwaysRecompute:
+    """The cache of an op the forward saved no output of: every call of it is recomputed."""
+
+    def get(self, index: Any, default: Any = None) -> Any:
+        return _RECOMPUTE
+
+
+class _UnsavedOpsRecomputed:
+    """Torch's SAC storage as the recompute reads it (torch >= 2.13 keeps one entry per op call and
+    raises "encountered during backward but not found in storage" for a call the forward did not
+    make): an op none of whose forward calls was saved is recomputed at any call, so that operators
+    run only in the recompute are run, as plain recompute runs them. Those are parameter gathers:
+    DeepSpeed ZeRO-3's and FSDP's pre-forward hooks gather a module's parameters again in the
+    recompute (``torch.cat(..., out=...)``) where the forward found them prefetched. An op with a
+    saved output keeps torch's check, so a saved output can never be handed to another call."""
+
+    def __init__(self, storage: dict[Any, Any]) -> None:
+        self.storage = storage
+        self.unsaved: dict[Any, bool] = {}
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        entries = self.storage.get(key)
+        if entries is None:
+            return _ALWAYS_RECOMPUTE
+        unsaved = self.unsaved.get(key)
+        if unsaved is None:  # once per op: what the forward saved does not change in the recompute
+            unsaved = self.unsaved[key] = all(entry is _RECOMPUTE for entry in entries.values())
+        return _ALWAYS_RECOMPUTE if unsaved else entries
+
+    def __getattr__(self, name: str) -> Any:  # anything else torch reads (values, items) as stored
+        return getattr(self.storage, name)
+
+
+def _recompute_unsaved_extra_ops(recompute: Any) -> Any:
+    """``recompute`` (torch's ``_CachedTorchDispatchMode``) reading its storage through
+    ``_UnsavedOpsRecomputed``; as it is on torches whose storage is not per call (before 2.13)."""
+    storage = getattr(recompute, "storage", None)
+    if _RECOMPUTE is not None and isinstance(storage, dict):
+        recompute.storage = _UnsavedOpsRecomputed(storage)
+    return recompute
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,6 +200,7 @@ class _RecomputeChanged:
 
 _RECOMPUTE = getattr(torch_checkpoint, "_RECOMPUTE", None)
 """torch's "recompute this op" cache entry; without it a changed entry raises torch's in-place error."""
+_ALWAYS_RECOMPUTE = _AlwaysRecompute()
 
 
 class _Marker(threading.local):

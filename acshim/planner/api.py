@@ -4,6 +4,7 @@ this process (profile, solve, verify), the same session ``acshim run --budget`` 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,8 @@ from .session import PlanExit, PlanSession
 def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, choices: Sequence[str] = BASE_CHOICES,
          storage: str | Sequence[str] | None = None, prefetch: int = 2, repeats: int = 1, verify: bool = True,
-         retries: int = 6, reuse: Plan | None = None, memory: str = "process") -> Plan:
+         retries: int = 6, reuse: Plan | None = None, memory: str = "process",
+         plan_file: str | os.PathLike[str] | None = None) -> Plan:
     """Choose, per block of ``model``, between keeping, selective recompute, full recompute and
     offload so that one training step on ``example_batch`` peaks at most ``budget`` bytes of
     activation memory, as fast as the measurements predict.
@@ -41,8 +43,13 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     ``ValueError``) for a budget below the least achievable peak (naming it) or ``ValueError`` for a
     model without repeated blocks. The model is left as it was (apply the plan with
     ``plan.apply(model)``). ``reuse``: an earlier plan of this model whose profile is solved again
-    for this budget instead of profiling anew. ``repeats`` is accepted for compatibility: every
-    choice is measured once, its time estimated operator by operator (``planner.costs``).
+    for this budget instead of profiling anew. ``plan_file``: a path, as ``acshim run --budget B
+    --plan-file F``: where it holds a plan made for this model (its parameters' names and shapes),
+    these input shapes (or larger) and this budget, that plan is returned without profiling; where it
+    does not exist, the new plan is saved there. A file made for another model, shapes or budget
+    raises ``PlanFileMismatch`` (a ``ValueError``) saying which (delete it to plan again).
+    ``repeats`` is accepted for compatibility: every choice is measured once, its time estimated
+    operator by operator (``planner.costs``).
     ``memory="tensors"``: the budget counts activation tensor storages only (no guard on the
     process; for models whose activations are below the 1 MiB the process's memory resolves).
     With ``memory="process"`` on glibc, the call fixes the process's ``M_MMAP_THRESHOLD`` at 64 KiB
@@ -61,6 +68,11 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
     check_memory_kind(memory)
+    if plan_file is not None and not isinstance(plan_file, (str, os.PathLike)):
+        raise TypeError(f"plan_file must be a path (str or os.PathLike), got {type(plan_file).__name__}")
+    if plan_file is not None and reuse is not None:
+        raise ValueError("acshim.plan: pass reuse= (solve an earlier plan's profile again) or plan_file= (load or "
+                         "save a plan), not both")
     if memory == "process":
         own()
     blocks = find_blocks(model)
@@ -76,7 +88,8 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     session = PlanSession(budget, choices=tuple(concrete), storage=None if tiers is None else tiers[0],
                           prefetch=prefetch, repeats=repeats, exit_after_plan=True, loss_fn=loss_fn, verify=verify,
                           retries=retries, reuse=reuse.profile if reuse is not None else None, api=True,
-                          feedback=False, memory=memory)
+                          feedback=False, memory=memory,
+                          plan_file=None if plan_file is None else os.fspath(plan_file))
     model.train()
     try:
         install_outside(model, "keep")  # a plan applied before offloads the outside part: not while planning

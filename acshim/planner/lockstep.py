@@ -69,7 +69,7 @@ from .process import Guard, ProcessMemory, trim
 from .profile import INFEASIBLE, BlockProfile, Profile, block_key, model_signature
 from .routing import PlanningContext
 from .sampled import SelectiveSaved
-from .sites import device_of, gathers_inside, outermost_module_on_stack, rank, site_names
+from .sites import device_of, outermost_module_on_stack, rank, site_names
 from .solver import BudgetTooSmall, minimum_peak, rounded_peak
 
 CHOICES = ["keep", "recompute"]
@@ -569,22 +569,18 @@ class LockstepPlanner:
         by the step's predicted peak: each recomputed phase's peak plus what the sampled regions
         alive then would save kept (``SavedCounter``: an estimate, as a selective region caches
         matmul outputs keep may not save; the step itself is measured). Where not
-        even one fits, or a region's own call gathers parameters (``sites.gathers_inside``: ZeRO-3,
-        or ``fully_shard`` inside the checkpointed module; a forward whose parameters were
-        prefetched and a recompute that gathers them run different operators, and torch's
-        selective checkpoint raises "encountered during backward but not found in storage", as a
-        ZeRO-3 plan of selective and kept blocks did here), no choice is sampled and the step is
-        skipped."""
+        even one fits, no choice is sampled and the step is skipped. Regions whose own call gathers
+        parameters (ZeRO-3, ``fully_shard`` inside the checkpointed module) are sampled too: their
+        recompute gathers again what the forward found prefetched, which acshim's selective policies
+        recompute (``selective._UnsavedOpsRecomputed``) where torch's own SAC raises "encountered
+        during backward but not found in storage"."""
         count = 1 + max(self.keys, default=-1)
         kinds: dict[Any, list[int]] = {}
         for index in range(count):
             kinds.setdefault(self.keys.get(index, index), []).append(index)
         budget = self._budget(self._provisional())
         chosen: dict[int, str] = {}
-        # where a region's own call gathers parameters (ZeRO-3, fully_shard inside it), its recompute
-        # may run other operators than its forward did: torch's selective checkpoint would raise
-        gathering = any(gathers_inside(site.owner) for site in self.session.sites if site.owner is not None)
-        for many in range(0 if gathering else len(self.sampled_choices), 0, -1):
+        for many in range(len(self.sampled_choices), 0, -1):
             samples = {index: choice for indexes in kinds.values()
                        for choice, index in zip(self.sampled_choices[:many], reversed(indexes), strict=False)}
             if agree_bytes(self._sampled_peak(samples), self.device) <= budget * (1 - HEADROOM):

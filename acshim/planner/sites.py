@@ -121,21 +121,6 @@ def sharded_by(root: nn.Module | None) -> str | None:
     return None
 
 
-def gathers_inside(module: nn.Module) -> bool:
-    """True if ``module``'s own call gathers sharded parameters (FSDP2 ``fully_shard`` or FSDP1 on it
-    or inside it, DeepSpeed ZeRO-3's partitioned parameters, whose hooks it registers on every
-    module): the operators those hooks run differ between a forward and its recompute (a prefetched
-    parameter is not gathered again), which torch's selective checkpoint refuses mid-backward."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        FSDPModule = ()
-    for inner in module.modules():
-        if isinstance(inner, FSDPModule) or type(inner).__name__ == "FullyShardedDataParallel":
-            return True
-    return any(hasattr(parameter, "ds_status") for parameter in module.parameters())
-
-
 def input_elements(args: Any, kwargs: Any) -> int:
     """Elements of the tensors a model call got: what activation memory scales with."""
     leaves, _ = structures.flatten((args, kwargs))

@@ -168,21 +168,3 @@ def test_selective_choices_are_sampled_on_one_block_of_each_kind_and_planned_bit
     for _ in range(2):
         assert_bitwise_equal(expected, train_step(model, _ids(), seed=5))
     assert len(made) == 2 * 3, made  # three selective blocks a step, each through torch's selective checkpoint
-
-
-def test_regions_that_gather_their_own_parameters_are_not_sampled_selective(one_rank_as_sharded) -> None:
-    """ZeRO-3 marks its partitioned parameters (``ds_status``) and gathers them in every module's
-    hooks, inside the checkpointed region: a forward that found them prefetched and a recompute that
-    gathers them run different operators, which torch's selective checkpoint refuses mid-backward.
-    Such regions are offered no selective choice and the sampled step is skipped."""
-    model = _model()
-    for parameter in model.h.parameters():
-        parameter.ds_status = "stand-in"  # what ZeRO-3 sets on a partitioned parameter
-    acshim.apply_checkpointing(model)
-    session = PlanSession(0.8, choices=("keep", "selective", "selective-alt")).start()
-    one_rank_as_sharded.append(session)
-    for _ in range(lockstep.EXPLORE_STEPS + 1):  # the recomputed steps, then the plan's first (no sampled step)
-        train_step(model, _ids(), seed=5)
-    plan = session.plan
-    assert plan is not None and set(plan.profile.choices) == {"keep", "recompute"}, plan
-    assert session._lockstep.sampled_at == {}

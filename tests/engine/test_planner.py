@@ -567,6 +567,41 @@ def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monk
         plan(model, ids, budget=budget, reuse=base, memory="tensors")
 
 
+
+def test_plan_file_saves_the_plan_then_returns_it_without_profiling(ids, tmp_path, monkeypatch):
+    """``acshim.plan(..., plan_file=F)`` as ``acshim run --plan-file F``: the first call plans and
+    saves; the next returns the saved plan without running a measurement, and it applies with the
+    same gradients; another budget or batch shape is refused naming what differs."""
+    path = tmp_path / "plan.json"
+    first = plan(small_gpt(), ids, budget=0.5, memory="tensors", plan_file=path)
+    assert path.exists()
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(RegionProfiler, "__init__", no_profiling)
+    monkeypatch.setattr(RegionProfiler, "verify", no_profiling)
+    model = small_gpt()
+    again = plan(model, ids, budget=0.5, memory="tensors", plan_file=str(path))
+    assert (again.choices, again.outside, again.budget, again.peak) == (first.choices, first.outside, first.budget,
+                                                                        first.peak)
+    plain = train_step(small_gpt(), ids)
+    again.apply(model)
+    assert_bitwise_equal(plain, train_step(model, ids))
+    with pytest.raises(acshim.planner.PlanFileMismatch, match="made for a budget of .*delete the file to plan again"):
+        plan(small_gpt(), ids, budget=0.4, memory="tensors", plan_file=path)
+    larger = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(acshim.planner.PlanFileMismatch, match=r"made for inputs of shapes \[\[2, 32\]\]"):
+        plan(small_gpt(), larger, budget=0.5, memory="tensors", plan_file=path)
+    with pytest.raises(acshim.planner.PlanFileMismatch, match="made for another model"):
+        plan(seeded(lambda: GPT(layers=4, width=32, heads=4, seq=32, vocab=128)), ids, budget=0.5,
+             memory="tensors", plan_file=path)
+    with pytest.raises(TypeError, match="plan_file must be a path"):
+        plan(small_gpt(), ids, budget=0.5, plan_file=3)
+    with pytest.raises(ValueError, match="pass reuse= .* or plan_file="):
+        plan(small_gpt(), ids, budget=0.5, plan_file=path, reuse=first)
+
+
 def test_expand_choices():
     assert expand_choices(("keep", "offload"), ("host", "disk")) == ["keep", "offload:host", "offload:disk"]
     with pytest.raises(ValueError, match="unknown planner choice"):
