@@ -40,7 +40,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "replaced. See docs/cli.md.", "B"),
     _STORAGE,
     Option("--plan-file", "with --budget: reuse the plan saved in F (same model, batch shape and budget) without "
-           "profiling; F is written by the run that plans when it does not exist", "F"),
+           "profiling; F is written by the run that plans when it does not exist (a pipeline stage K: F.stageK)", "F"),
     Option("--png", "with --budget: once planned, draw one step's activation memory block by block (no "
            "checkpointing, full recompute, the plan, the budget) beside the frontier to FILE (needs matplotlib: "
            "pip install 'acshim[plot]')", "FILE"),

@@ -85,6 +85,11 @@ class Plan:
     least_budget: int = 0
     """The least budget that plans this model and batch, from this profile (``least_budget``): what
     a refusal names and ``acshim plan --sweep`` prints as the frontier's start (0: not known)."""
+    asked: str | None = None
+    """On a pipeline stage, the budget as asked (``--budget``), of which ``budget`` is one microbatch's
+    share: a stage's plan file is reused for the same budget asked (``load_plan_file``)."""
+    rank_budget: int = 0
+    """On a pipeline stage, the rank's bytes that share was taken from (0 elsewhere)."""
 
     # -------------------------------------------------------------------------------- apply
     def apply(self, model: nn.Module) -> list[str]:
@@ -382,12 +387,24 @@ class PlanFileMismatch(ValueError):
     """A saved plan does not fit this run (another model, batch shape or budget)."""
 
 
+def stage_plan_file(path: str, stage: int) -> str:
+    """Where pipeline stage ``stage`` keeps its plan when ``--plan-file path`` is given (each stage
+    plans its own part, alone): ``plan.json`` -> ``plan.stage1.json``."""
+    base, extension = os.path.splitext(path)
+    return f"{base}.stage{stage}{extension}"
+
+
 def load_plan_file(path: str, root: nn.Module, budget: int | float | str, shapes: list[list[int]]) -> Plan:
     """The plan ``path`` holds, if it was made for ``root``'s parameters, this batch's input shapes
     (or larger ones) and this budget; ``PlanFileMismatch`` saying which differs otherwise."""
     loaded = Plan.load(path)
     wanted = parse_budget(budget, loaded.reference_peak or 1)
-    if wanted != loaded.budget:
+    if loaded.asked is not None:  # a pipeline stage's: its budget is one microbatch's share of the one asked
+        made_for = parse_budget(loaded.asked, loaded.reference_peak or 1)
+        if wanted != made_for:
+            raise PlanFileMismatch(f"it was made for --budget {loaded.asked}, this run asks for {budget}; delete the "
+                                   "file to plan again")
+    elif wanted != loaded.budget:
         raise PlanFileMismatch(f"it was made for a budget of {format_bytes(loaded.budget)} ({loaded.budget} bytes), "
                                f"this run asks for {format_bytes(wanted)}; delete the file to plan again")
     names = dict(root.named_modules())

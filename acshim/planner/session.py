@@ -20,7 +20,8 @@ of the script's first step plans, there and then, within the budget:
 Then the next steps are timed (``feedback``): a plan measurably slower than predicted is solved
 again with the measured costs. A step whose inputs are larger than any planned for is planned again
 before its forward starts (dynamic padding), within the same budget in bytes. ``plan_file``: a plan
-saved by an earlier run of the same model, batch shape and budget is used without profiling.
+saved by an earlier run of the same model, batch shape and budget is used without profiling (on a
+pipeline, one file per stage: ``plan.stage_plan_file``).
 
 A model sharded across ranks (FSDP, ZeRO-3: collectives inside every block's hooks) cannot run
 blocks alone, so it is planned on the script's own steps instead (``lockstep``): mode ``explore``.
@@ -67,7 +68,16 @@ from .feedback import StepTimer
 from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
 from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
-from .plan import HEADROOM, Plan, PlanFileMismatch, least_budget, load_plan_file, reference, solve_within
+from .plan import (
+    HEADROOM,
+    Plan,
+    PlanFileMismatch,
+    least_budget,
+    load_plan_file,
+    reference,
+    solve_within,
+    stage_plan_file,
+)
 from .process import (
     OverBudget,
     ProcessMemory,
@@ -489,11 +499,8 @@ class PlanSession:
             found = (self.pipeline.module, *detached_inputs((self.pipeline.args, self.pipeline.kwargs)))
             # SMP v1 stages plan at their second microbatch, when the first has shown the calls' shapes
             which = "second" if self.pipeline.after_first_microbatch else "first"
-            if self.plan_file:
-                self.stop()
-                raise PlanExit(2, f"acshim run --plan-file: {self.pipeline.describe()}: each stage has its own plan, "
-                                  f"and a plan file holds one; drop --plan-file (each stage plans on its {which} "
-                                  "microbatch)")
+            if self.plan_file:  # each stage has its own plan: its own file
+                self.plan_file = stage_plan_file(self.plan_file, self.pipeline.stage)
             if self.exit_after_plan:
                 self.stop()
                 raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own {which} "
@@ -534,7 +541,9 @@ class PlanSession:
             return
         else:
             self._plan_on(root, root_args, root_kwargs, shapes)
-            if self.plan_file and rank() == 0:
+            if self.pipeline is not None:  # what the stage's file is reused for (load_plan_file)
+                self.plan.asked, self.plan.rank_budget = str(self.budget), self._rank_budget  # type: ignore[union-attr]
+            if self.plan_file and (rank() == 0 or self.pipeline is not None):  # each stage saves its own
                 self.plan.save(self.plan_file)  # type: ignore[union-attr]
         self.mode, self.position = Mode.PLANNED, 0  # route() takes position 0 for the interrupted call
         self._use_schedules(self.plan)  # type: ignore[arg-type]
@@ -1005,6 +1014,8 @@ class PlanSession:
                 raise
             raise PlanExit(2, f"\nacshim run: --plan-file {self.plan_file}: {error}") from None
         self._budget_bytes = self.plan.budget
+        if self.pipeline is not None and self.plan.rank_budget:
+            self._rank_budget = self.plan.rank_budget
         self._planned_shapes = self.plan.profile.inputs or shapes
         self.names = list(self.plan.blocks)
         self._from_file = True

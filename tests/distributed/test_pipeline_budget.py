@@ -57,12 +57,16 @@ PIPELINING = str(Path(__file__).resolve().parent / "scripts" / "pipelining_budge
 
 @pytest.mark.parametrize(("schedule", "alive"), [("1F1B", [2, 1]), ("GPipe", [4, 4])])
 def test_each_torch_pipelining_stage_plans_alone_per_microbatch_alive_and_trains_exactly(
-        launch, torchrun, schedule: str, alive: list[int]) -> None:
+        launch, torchrun, tmp_path, schedule: str, alive: list[int]) -> None:
     """``torch.distributed.pipelining``: ``PipelineStage`` + ``Schedule1F1B`` (warm-up forwards
     alive) or ``ScheduleGPipe`` (every microbatch alive); weights and losses bitwise as the same
-    run unplanned (every region recomputed, as the script asks)."""
-    planned = launch(torchrun("-m", "acshim", "run", "--budget", "0.6", PIPELINING, "--schedule", schedule),
-                     timeout=300)
+    run unplanned (every region recomputed, as the script asks). With ``--plan-file F`` (1F1B) each
+    stage K saves its plan to ``F.stageK``, and the next run reuses each stage's without profiling,
+    as exact and within the budget."""
+    path = tmp_path / "plan.json"
+    files = ["--plan-file", str(path)] if schedule == "1F1B" else []
+    command = torchrun("-m", "acshim", "run", "--budget", "0.6", *files, PIPELINING, "--schedule", schedule)
+    planned = launch(command, timeout=300)
     assert planned.returncode == 0, planned.stderr[-4000:]
     ranks = planned.results
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -73,6 +77,17 @@ def test_each_torch_pipelining_stage_plans_alone_per_microbatch_alive_and_trains
                        r"microbatch", planned.stderr)
     assert sorted(lines) == [("0", "0", str(alive[0])), ("1", "1", str(alive[1]))], planned.stderr[-3000:]
     _check_ranks(ranks, planned.stderr)
+    if not files:
+        return
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.stage0.json", "plan.stage1.json"]
+    again = launch(command, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    reused = re.findall(rf"reused from {re.escape(str(tmp_path))}/plan\.stage(\d)\.json \(not profiled again\)",
+                        again.stderr)
+    assert sorted(reused) == ["0", "1"], again.stderr[-3000:]
+    assert all(r["equal"] for r in again.results), again.results
+    assert [r["choices"] for r in again.results] == [r["choices"] for r in ranks]
+    _check_ranks(again.results, again.stderr)
 
 
 def test_a_pipeline_budget_below_what_a_stage_needs_is_refused_naming_one_that_plans(launch, torchrun) -> None:

@@ -596,6 +596,14 @@ def test_plan_file_saves_the_plan_then_returns_it_without_profiling(ids, tmp_pat
     with pytest.raises(acshim.planner.PlanFileMismatch, match="made for another model"):
         plan(seeded(lambda: GPT(layers=4, width=32, heads=4, seq=32, vocab=128)), ids, budget=0.5,
              memory="tensors", plan_file=path)
+    # a pipeline stage's plan: its budget is one microbatch's share of the budget asked, which is checked
+    stage = tmp_path / "plan.stage1.json"
+    assert plan_module.stage_plan_file(str(path), 1) == str(stage)
+    first.asked, first.budget = "0.5", first.budget // 3
+    first.save(stage)
+    assert plan_module.load_plan_file(str(stage), small_gpt(), 0.5, [[2, 32]]).budget == first.budget
+    with pytest.raises(acshim.planner.PlanFileMismatch, match="made for --budget 0.5, this run asks for 0.4"):
+        plan_module.load_plan_file(str(stage), small_gpt(), 0.4, [[2, 32]])
     with pytest.raises(TypeError, match="plan_file must be a path"):
         plan(small_gpt(), ids, budget=0.5, plan_file=3)
     with pytest.raises(ValueError, match="pass reuse= .* or plan_file="):
