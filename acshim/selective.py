@@ -114,7 +114,10 @@ class _UnsavedOpsRecomputed:
     run only in the recompute are run, as plain recompute runs them. Those are parameter gathers:
     DeepSpeed ZeRO-3's and FSDP's pre-forward hooks gather a module's parameters again in the
     recompute (``torch.cat(..., out=...)``) where the forward found them prefetched. An op with a
-    saved output keeps torch's check, so a saved output can never be handed to another call."""
+    saved output keeps torch's check (more calls of it than the forward made raise torch's error).
+    What this gives up: torch's error for a recompute that differs from its forward in unsaved
+    operators only (state changed between them); acshim's full recompute, like torch's
+    ``checkpoint`` without a policy, has never had that check either."""
 
     def __init__(self, storage: dict[Any, Any]) -> None:
         self.storage = storage

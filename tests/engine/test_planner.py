@@ -567,7 +567,6 @@ def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monk
         plan(model, ids, budget=budget, reuse=base, memory="tensors")
 
 
-
 def test_plan_file_saves_the_plan_then_returns_it_without_profiling(ids, tmp_path, monkeypatch):
     """``acshim.plan(..., plan_file=F)`` as ``acshim run --plan-file F``: the first call plans and
     saves; the next returns the saved plan without running a measurement, and it applies with the

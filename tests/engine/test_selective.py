@@ -87,7 +87,6 @@ def test_bad_operator_names_are_rejected() -> None:
         save_ops([])
 
 
-
 def _gathering_in_recompute(model: nn.Module, extra) -> nn.Module:
     """``model`` whose linear layers run ``extra`` before their forward in every call but the first:
     as DeepSpeed ZeRO-3's and FSDP's pre-forward hooks gather in the recompute the parameters the
