@@ -48,6 +48,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -985,6 +986,14 @@ class LockstepPlanner:
         if "error" in data:
             raise ValueError(data["error"])
         return Plan.from_json(data)
+
+    def least_plan(self, previous: Plan) -> Plan:
+        """The least-memory plan (``_least_memory``, the part outside the regions kept) of the profile
+        the last explored steps gave, with ``previous``'s budget: what a run goes on under where a
+        plan for larger inputs was refused (every rank alike: the profile is agreed)."""
+        assert self.profile is not None
+        return Plan.from_choices(replace(previous, profile=self.profile, blocks=[b.name for b in self.profile.blocks]),
+                                 self._least_memory())
 
     def _least_memory(self) -> list[str]:
         """Per region, the choice holding least (then with the least transient): every region

@@ -168,9 +168,12 @@ class Plan:
                     f"{format_bytes(other_transient):>10} {other_seconds * 1e3:>8.1f}")
         if self.overhead:
             rows.append(f"held besides the activations when solved: {format_bytes(self.overhead)} (left room for)")
-        rows.append(f"predicted: held {format_bytes(self.held)}, peak {format_bytes(self.peak)} "
-                    f"({self.peak / ref_peak:.2f}x no checkpointing), step {self.seconds * 1e3:.1f} ms "
-                    f"({self.seconds / ref_seconds:.2f}x)")
+        activations = (f"held {format_bytes(self.held)}, peak {format_bytes(self.peak)} "
+                       f"({self.peak / ref_peak:.2f}x no checkpointing)")
+        if self.overhead:  # the whole step, comparable with the process's measured peak
+            activations = (f"whole step {format_bytes(self.peak + self.overhead)} (activations {activations}; "
+                           f"{format_bytes(self.overhead)} held besides)")
+        rows.append(f"predicted: {activations}, step {self.seconds * 1e3:.1f} ms ({self.seconds / ref_seconds:.2f}x)")
         if self.in_flight > SharedOffload.IN_FLIGHT:
             extra = self.in_flight - SharedOffload.IN_FLIGHT
             rise = (self.profile.peak_of(self.choices, self.outside, extra)
@@ -178,22 +181,20 @@ class Plan:
             rows.append(f"copies out in flight: up to {format_bytes(self.in_flight)} (room left under the budget; "
                         f"{format_bytes(extra)} beyond the profiles' own, adding {format_bytes(rise)} to the "
                         "predicted peak where they can be in flight)")
-        if self.measured_peak is not None:
-            process = ("" if self.measured_process_peak is None
-                       else f"; process peak above the step's start {format_bytes(self.measured_process_peak)}")
+        if self.measured_process_peak is not None:  # read from the process (``profiler.verify``)
+            rows.append(f"measured after apply: whole step {format_bytes(self.measured_process_peak)} above the "
+                        f"step's start (the process's memory, with what is charged besides), "
+                        f"{self.measured_process_peak / max(1, self.peak + self.overhead):.2f}x the prediction")
+        elif self.measured_peak is not None:
             rows.append(f"measured after apply: held {format_bytes(self.measured_held or 0)}, "
-                        f"peak {format_bytes(self.measured_peak)} (tensor storages){process}")
+                        f"peak {format_bytes(self.measured_peak)} (tensor storages)")
         rows.append(f"profile: {self.profile.method}")
         rows += [f"note: {note}" for note in self.notes]
         return "\n".join(rows)
 
     def describe(self) -> str:
         """``"5 recompute, 2 selective, 1 keep"`` (and the outside part's choice when not kept)."""
-        counts: dict[str, int] = {}
-        for choice in self.choices:
-            counts[choice] = counts.get(choice, 0) + 1
-        outside = "" if self.outside == "keep" else f"; outside the regions: {self.outside}"
-        return ", ".join(f"{n} {c}" for c, n in counts.items()) + outside
+        return describe_choices(self.choices, self.outside)
 
     def frontier(self, budgets: Iterable[int | float | str] | None = None) -> list[FrontierPoint]:
         """Predicted (peak, step time) of the best plan at each budget (default: 10 budgets from the
@@ -242,6 +243,15 @@ def reference(profile: Profile) -> tuple[int, float]:
         estimated.other_held, estimated.other_transient = profile.other_saved, profile.other_saved
         estimated.other_seconds = min((float(e["seconds"]) for e in profile.outside.values()), default=0.0)
     return max(estimated.peak_of(keep), profile.unchecked_floor), estimated.seconds_of(keep)
+
+
+def describe_choices(choices: list[str], outside: str = "keep") -> str:
+    """``"5 recompute, 2 selective, 1 keep"`` (and the outside part's choice when not kept)."""
+    counts: dict[str, int] = {}
+    for choice in choices:
+        counts[choice] = counts.get(choice, 0) + 1
+    where = "" if outside == "keep" else f"; outside the regions: {outside}"
+    return ", ".join(f"{n} {c}" for c, n in counts.items()) + where
 
 
 def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[str], str], int] | None = None,
@@ -312,17 +322,27 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
     accept = int(budget_bytes * (1 - HEADROOM))
     target = accept - overhead
     seen_peaks: list[str] = []
-    for attempt in range(retries + 1):
+    least_seen: int | None = None  # what the least plan (the frontier's start) measured, once verified
+    least_tried, floor = False, minimum_peak(profile)
+    attempt = 0
+    while True:
         try:
             found: Solution = solve(profile, target)
         except BudgetTooSmall as error:
             if attempt == 0:  # the least peak with what the process holds besides, and the headroom
                 least = math.ceil((error.minimum + overhead) / (1 - HEADROOM))
                 raise BudgetTooSmall(budget_bytes, least, overhead, profile) from None
-            raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)}: predictions were "
-                             f"low by up to {format_bytes(budget_bytes - overhead - target)} and the tightened "
-                             f"budget is below the least achievable peak {format_bytes(error.minimum + overhead)}"
-                             ) from None
+            if not least_tried and measure is not None:  # tightened past the frontier's start: measure it
+                target, least_tried = error.minimum, True
+                continue
+            raise NoPlanMeasured(
+                f"no plan measured within the budget {format_bytes(budget_bytes)}: predictions were low by up to "
+                f"{format_bytes(budget_bytes - overhead - target)} and the tightened budget is below the least "
+                f"achievable peak {format_bytes(error.minimum + overhead)} ({'; '.join(seen_peaks)})", least_seen
+            ) from None
+        attempt += 1
+        is_least = found.peak <= floor
+        least_tried = least_tried or is_least
         extra, rise = _extra_in_flight(profile, found, target - found.peak)
         result = Plan(budget_bytes, [b.name for b in profile.blocks], found.choices, found.held, found.peak + rise,
                       found.seconds, profile, reference_peak=reference_peak, reference_seconds=reference_seconds,
@@ -334,6 +354,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
         result.measured_held, result.measured_peak = verified.held, verified.peak
         result.measured_process_peak = verified.process_peak
         seen = verified.process_peak if verified.process_peak is not None else verified.peak
+        if is_least:
+            least_seen = INFEASIBLE if verified.stopped else seen
         seen_peaks.append(f"{format_bytes(result.peak + overhead)} predicted, "
                           f"{'over (stopped)' if verified.stopped else format_bytes(seen)} measured")
         if not verified.stopped and seen <= accept:
@@ -358,8 +380,30 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
                 target -= max(unit_of(profile), budget_bytes // 20)
         else:
             target -= max(seen - accept, unit_of(profile))
-    raise ValueError(f"no plan measured within the budget {format_bytes(budget_bytes)} after {retries} re-solves "
-                     f"({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)")
+        if attempt > retries:
+            if least_tried:
+                break
+            target, least_tried = floor, True  # the re-solves ran out: the frontier's start is measured last
+    raise NoPlanMeasured(f"no plan measured within the budget {format_bytes(budget_bytes)} after {attempt - 1} "
+                         f"re-solves ({'; '.join(seen_peaks)}; {format_bytes(overhead)} held besides when solving)",
+                         least_seen)
+
+
+class NoPlanMeasured(ValueError):
+    """Every plan verified went over the budget, the least plan (the frontier's start) too: raised
+    by ``solve_within`` once the re-solves tightened past it. ``least_seen``: what the least plan
+    measured as the verification saw it (the process above the step's start, or the tracker's
+    peak), ``INFEASIBLE`` where it was stopped on its way over, ``None`` where it was not verified;
+    ``suggested``: a budget that measurement says plans (0 where it says none), which the caller
+    re-verifies where it may (``PlanSession._tested_suggestion``)."""
+
+    def __init__(self, message: str, least_seen: int | None) -> None:
+        super().__init__(message)
+        self.least_seen = least_seen
+        self.suggested = (math.ceil(least_seen / (1 - HEADROOM) * (1 + BudgetTooSmall.MARGIN))
+                          if least_seen is not None and least_seen < INFEASIBLE else 0)
+        self.why = (f"the least plan measured {format_bytes(least_seen)}, with the verification's {HEADROOM:.0%} "
+                    f"headroom and {BudgetTooSmall.MARGIN:.0%} more" if self.suggested else "")
 
 
 def _extra_in_flight(profile: Profile, found: Solution, room: int, already: int = 0) -> tuple[int, int]:

@@ -70,6 +70,7 @@ from .picture import write_png as write_picture
 from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
 from .plan import (
     HEADROOM,
+    NoPlanMeasured,
     Plan,
     PlanFileMismatch,
     least_budget,
@@ -103,7 +104,7 @@ from .sites import (
     world_size,
 )
 from .snapshot import ModelSnapshot
-from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak, unit_of
+from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak, solve, unit_of
 from .steps import StepStart, device_key, held_now
 from .training_state import OptimizerWatch, TrainingState, foreseen_optimizer_state, training_state
 from .warmup import warm_up
@@ -111,6 +112,11 @@ from .warmup import warm_up
 METHOD = ("measured on the script's first step under a guard on the process's memory: one forward counted what "
           "each region saves, the rest of the model ran alone (regions replayed), kept and offloaded, each distinct "
           "region ran alone per choice (least memory first), one step verified the plan")
+
+
+class _PlanRefused(Exception):
+    """A plan made again at a step's start was refused (the refusal as ``acshim run`` words it): the
+    run goes on (``PlanSession._plan_again``)."""
 
 
 class PlanExit(BaseException):
@@ -196,6 +202,9 @@ class PlanSession:
     """A sharded model's planner on its real steps (``lockstep``)."""
     _host_allocator: bool = False
     """Whether this session installed acshim's CPU allocator (``host_allocator``; ``acshim run`` only)."""
+    _replanning: bool = False
+    """Whether a plan is being made again at a step's start (``_plan_again``): its refusal lets the run
+    go on rather than end it."""
     pipeline: PipelineStage | None = None
     """This rank's pipeline stage (``pipelines``): planned alone, for one microbatch within the
     budget less what the schedule holds, divided by the microbatches it keeps alive at once."""
@@ -641,13 +650,25 @@ class PlanSession:
         assert lockstep is not None
         shapes = input_shapes(args, kwargs)
         first = self.plan is None
+        refused = False
         try:
             plan = lockstep.step_started()
         except ValueError as error:
-            self.stop()
-            if self.api:
-                raise
-            raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}") from None
+            if self.plan is not None and not self.api and lockstep.profile is not None:
+                refused = True
+                # explored again for larger inputs and refused: as _plan_again, the run goes on
+                plan = lockstep.least_plan(self.plan)
+                plan.notes.append(f"explored again for larger inputs and refused ({error}): the least-memory "
+                                  "plan runs")
+                if rank() == 0:
+                    print(f"acshim: --budget {format_bytes(self.plan.budget)}: no plan fits the larger inputs "
+                          f"explored: {error}; the run goes on under the least-memory plan ({plan.describe()}), "
+                          "which may hold more than the budget on these inputs", file=sys.stderr, flush=True)
+            else:
+                self.stop()
+                if self.api:
+                    raise
+                raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}") from None
         if plan is not None:
             plan.profile.inputs = self._planned_shapes
             self.plan, self.mode = plan, Mode.PLANNED
@@ -671,6 +692,9 @@ class PlanSession:
         if lockstep.measuring is None and not lockstep.exploring:  # measured and verified: the plan runs
             self._cache_planned_steps()
         if plan is None or lockstep.verifications:  # none, or solved again after a verification step
+            return
+        if refused:  # said above; not saved to a plan file (it need not keep the budget)
+            self.replans += 1
             return
         lead = rank() == 0 and not self.api
         if self.plan_file and lead:
@@ -702,15 +726,14 @@ class PlanSession:
             self._drop_sites_data()
             if self.api:
                 self.stop()
-                if isinstance(error, BudgetTooSmall) and error.suggested:
+                if isinstance(error, (BudgetTooSmall, NoPlanMeasured)) and error.suggested:
                     error.args = (f"{error}; pass budget={error.suggested} ({format_bytes(error.suggested)}) or more"
                                   + (f" ({error.why})" if getattr(error, "why", "") else "")
                                   + (', or memory="tensors" to budget activation tensors alone'
                                      if self.memory == "process" else ""),)
                 raise
-            self.stop()
-            suggested = error.suggested if isinstance(error, BudgetTooSmall) else 0
-            why = getattr(error, "why", "") if isinstance(error, BudgetTooSmall) else ""
+            suggested = error.suggested if isinstance(error, (BudgetTooSmall, NoPlanMeasured)) else 0
+            why = getattr(error, "why", "") if isinstance(error, (BudgetTooSmall, NoPlanMeasured)) else ""
             if suggested and self.pipeline is not None:  # the rank's budget: its schedule's part and each alive
                 held = self.schedule_held.total if self.schedule_held else 0
                 suggested = self.pipeline.in_flight * suggested + held
@@ -718,6 +741,9 @@ class PlanSession:
                                    f"one microbatch: {error}")
             hint = (f"; pass --budget {budget_at_least(suggested)} or more" + (f" ({why})" if why else "")
                     if suggested else "")
+            if self._replanning:  # a plan made again at a step's start: the run goes on (_plan_again)
+                raise _PlanRefused(f"{error}{hint}") from None
+            self.stop()
             raise PlanExit(2, f"\nacshim run: --budget {self.budget}: {error}{hint}") from None
         except BaseException:
             snapshot.restore()
@@ -811,6 +837,17 @@ class PlanSession:
                         if reserve:
                             error.why = (f"{_charges(self._script_part, paged, foreseen)} charged besides: "
                                          f"{format_bytes(reserve)} with the headroom")
+                    if least and isinstance(limit, int):
+                        error.suggested, error.why = self._tested_suggestion(
+                            profile, profiler, error.suggested, reserve, error.why, measure, overhead)
+                    raise
+                except NoPlanMeasured as error:  # the least plan measured over: its measurement names the budget
+                    if error.suggested and isinstance(limit, int):
+                        error.suggested = max(error.suggested + reserve, least + reserve if least else 0, limit + 1)
+                        if reserve:
+                            error.why += f"; and {_charges(self._script_part, paged, foreseen)}, with the headroom"
+                        error.suggested, error.why = self._tested_suggestion(
+                            profile, profiler, error.suggested, reserve, error.why, measure, overhead)
                     raise
                 result.least_budget = least + reserve if least else least
                 self._paged_charged = paged
@@ -841,6 +878,41 @@ class PlanSession:
         process planning alone, on a profile of its own (ranks planning together, whose measurements
         run in lock-step, and pipeline stages refuse with the bound)."""
         return self.reuse is None and not self._agreed() and self.pipeline is None
+
+    def _tested_suggestion(self, profile: Profile, profiler: RegionProfiler, suggested: int, reserve: int,
+                           why: str, measure: Callable[[Plan], Verification], overhead: int) -> tuple[int, str]:
+        """A refusal's suggested budget, tested before it is named: the profile is solved and verified
+        within it, less what is charged besides the measurement (``reserve``), as planning at that
+        budget would (its re-solves, then the least plan). Where no plan measured within it, the
+        suggestion grows to what the least plan measured, with the headroom and the margin (by 10%
+        at least), and is tested again: three times at most, the last suggestion named untested if
+        none passed. As ``_measure_stopped``, the process goes over the budget it refuses while doing
+        so; one process alone (ranks planning together and pipeline stages refuse with the untested
+        suggestion), and only where plans are verified."""
+        if not (self.verify and self._measures_for_refusals() and suggested) or minimum_peak(profile) >= INFEASIBLE:
+            return suggested, why
+        profiler.drop_copies()  # the regions' captured inputs are no part of the steps verified
+        first = suggested
+        for _ in range(3):
+            within = suggested - reserve
+            profiler.set_limit(suggested)  # the guard leaves out the code paged in itself, as planning's
+            try:
+                found = solve_within(profile, within, measure, retries=self.retries, overhead=overhead)
+            except NoPlanMeasured as error:
+                seen = error.least_seen if error.least_seen is not None and error.least_seen < INFEASIBLE else 0
+                grown = math.ceil(seen / (1 - HEADROOM) * (1 + BudgetTooSmall.MARGIN)) + reserve
+            except BudgetTooSmall:  # what was held besides grew: the least peak with it is above the budget
+                grown = 0
+            else:
+                measured = found.measured_process_peak if found.measured_process_peak is not None else found.measured_peak
+                raised = ("" if suggested == first else
+                          f"; no plan measured within {format_bytes(first)} (tested), nor within the larger budgets "
+                          f"tried in turn up to this one")
+                return suggested, (f"{why}{raised}; tested: planning at it measured {found.describe()} at "
+                                   f"{format_bytes(measured or 0)} of {format_bytes(within)}")
+            suggested = max(grown, math.ceil(suggested * (1 + 2 * BudgetTooSmall.MARGIN)))
+        return suggested, (f"{why}; untested: no plan measured within the budgets below it, tried in turn "
+                           "(each 10% or more above the last)")
 
     def _measure_stopped(self, profile: Profile, profiler: RegionProfiler, bound: int) -> tuple[int, int]:
         """A refusal where some part could not be measured within the budget: measure what went over
@@ -1023,18 +1095,48 @@ class PlanSession:
     def _replan(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]]) -> None:
         """Plan again, before this step's forward, on its larger inputs (within the same bytes)."""
         previous = self.plan
+        assert previous is not None
         self._drop_plan(root)
         self.sites = []
         self.reuse = None
-        self._plan_on(root, args, kwargs, shapes)
+        planned = self._plan_again(root, args, kwargs, shapes, previous,
+                                   f"this step's inputs {shapes} are larger than those planned for "
+                                   f"{previous.profile.inputs}")
         plan = self._run_new_plan(root)
-        if rank() == 0 and not self.api:
+        if planned and rank() == 0 and not self.api:
             before = previous.profile.inputs if previous is not None else []
             print(f"acshim: --budget {format_bytes(plan.budget)}: this step's inputs {shapes} are larger than those "
                   f"planned for {before}: planned again before it ran: {self.summary(brief=True)}",
                   file=sys.stderr, flush=True)
         if self.feedback and self.world == 1:
             self._timer = StepTimer(self)
+
+    def _plan_again(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: list[list[int]],
+                    previous: Plan, why: str) -> bool:
+        """``_plan_on`` for a plan made again at a step's start (``why``); True where it planned. A
+        re-plan never ends a run its last plan (``previous``) kept within budget: where it is refused,
+        the run goes on under the least-memory plan of ``previous``'s profile (the frontier's start,
+        the least any plan of these choices holds), said on stderr with the budget the refusal names;
+        the inputs it was refused for count as planned for (no step re-plans for them again)."""
+        self._replanning = True
+        try:
+            self._plan_on(root, args, kwargs, shapes)
+            return True
+        except _PlanRefused as refused:
+            least = solve(previous.profile, minimum_peak(previous.profile))
+            plan = Plan.from_choices(previous, least.choices, least.outside)
+            plan.notes.append(f"made again ({why}) and refused ({refused}): the least-memory plan of the last "
+                              "profile runs")
+            self.plan = plan
+            self._planned_shapes = _largest(self._planned_shapes, shapes)
+            if rank() == 0:
+                print(f"acshim: --budget {format_bytes(previous.budget)}: {why}, and no plan was measured within the "
+                      f"budget for them: {refused}; the run goes on under the least-memory plan of the last profile "
+                      f"({plan.describe()}), which may hold more than the budget on these inputs", file=sys.stderr,
+                      flush=True)
+            return False
+        finally:
+            self._replanning = False
 
     def _drop_plan(self, root: nn.Module) -> None:
         """Before a plan is made again at a step's start: the current one stops (its timer, its part
@@ -1080,11 +1182,13 @@ class PlanSession:
         self.reuse = plan.profile
         self._drop_plan(root)
         try:
-            self._plan_on(root, args, kwargs, input_shapes(args, kwargs))
+            planned = self._plan_again(root, args, kwargs, input_shapes(args, kwargs), plan,
+                                       f"the script's own loss and its backward held {format_bytes(needed)} above "
+                                       f"the model's forward end, {format_bytes(extra)} more than the planner's loss")
         finally:
             self.reuse = None
         found = self._run_new_plan(root)
-        if rank() == 0:
+        if planned and rank() == 0:
             print(f"acshim: --budget {format_bytes(found.budget)}: the script's own loss and its backward held "
                   f"{format_bytes(needed)} above the model's forward end, {format_bytes(extra)} more than the "
                   f"planner's loss{f' ({format_bytes(charged)} charged before it was measured)' if charged else ''}: "

@@ -87,3 +87,18 @@ def test_the_step_planned_again_on_runs_the_new_plan(tmp_path: Path, budget: str
     held = done["held"]
     assert abs(held[1] - held[2]) <= 1 << 18, ([round(h / 2**20, 2) for h in held], done["stderr"][-2000:])
     assert done["digest"] == _run(tmp_path, "SCRIPT", *rows.split())["digest"]
+
+
+def test_a_refused_plan_for_larger_inputs_does_not_end_the_run(tmp_path: Path) -> None:
+    """Planned within 12 MiB on a step of 256 rows, then 4096 (one forward of the model then needs
+    more than the budget): the run is not ended mid-way (it was: exit 2 at step 2). The refusal is said
+    once, with the budget it names, and the run goes on under the least-memory plan of the last
+    profile: the weights equal the plain run's bitwise, and the larger steps hold less at their
+    forward's end than the plain run's."""
+    done = _run(tmp_path, "-m", "acshim", "run", "--budget", "12MiB", "SCRIPT", "256,4096,4096")
+    stderr = done["stderr"]
+    assert stderr.count("and no plan was measured within the budget for them") == 1, stderr[-3000:]
+    assert "pass --budget" in stderr and "the run goes on under the least-memory plan" in stderr, stderr[-3000:]
+    plain = _run(tmp_path, "SCRIPT", "256,4096,4096")
+    assert done["digest"] == plain["digest"]
+    assert all(planned < unplanned for planned, unplanned in zip(done["held"][1:], plain["held"][1:])), (done, plain)

@@ -16,6 +16,7 @@ import acshim
 from acshim.planner import BudgetTooSmall, Plan, measure_step, parse_budget, plan, solver
 from acshim.planner.budget import budget_at_least
 from acshim.planner.choices import OffloadedForward, SharedOffload, expand_choices, split_outside
+from acshim.planner.plan import HEADROOM, NoPlanMeasured
 from acshim.planner.profile import BlockProfile, Profile, feasible
 from acshim.planner.profiler import RegionProfiler
 from acshim.planner.replay import Copies, replay
@@ -565,6 +566,44 @@ def test_offloading_plans_that_stay_over_budget_fall_back_to_recompute(ids, monk
     monkeypatch.setattr(RegionProfiler, "verify", never)
     with pytest.raises(ValueError, match="no plan measured within the budget"):
         plan(model, ids, budget=budget, reuse=base, memory="tensors")
+
+
+def test_re_solves_that_tighten_past_the_least_plan_measure_it_before_refusing(ids, monkeypatch):
+    """A plan measured over budget tightens the next solve by how far over it went; where that is
+    below the least plan (the frontier's start), the least plan is measured before the budget is
+    refused: it may fit where the faster plans' predictions were low (issue 26 item 2: a refusal
+    naming a budget then refused again). Where it does not fit either, ``NoPlanMeasured`` names
+    what it measured as a budget (its headroom and margin on top)."""
+    model = small_gpt()
+    base = plan(model, ids, budget=1.0, memory="tensors", verify=False)
+    least = solve(base.profile, minimum_peak(base.profile))
+    real = RegionProfiler.verify
+    tried = []
+
+    def only_the_least_fits(self, choices, outside, *in_flight):
+        found = real(self, choices, outside, *in_flight)
+        tried.append((list(choices), outside))
+        if (list(choices), outside) != (least.choices, least.outside):
+            found.peak = 10**12  # far over: the next solve's target is below the least plan
+        return found
+
+    monkeypatch.setattr(RegionProfiler, "verify", only_the_least_fits)
+    budget = int(2 * minimum_peak(base.profile))
+    result = plan(model, ids, budget=budget, reuse=base, memory="tensors")
+    assert (result.choices, result.outside) == (least.choices, least.outside) and len(tried) == 2, tried
+    assert result.measured_peak <= result.budget
+
+    def least_over_too(self, choices, outside, *in_flight):
+        found = only_the_least_fits(self, choices, outside, *in_flight)
+        if (list(choices), outside) == (least.choices, least.outside):
+            found.peak = 3 * budget
+        return found
+
+    monkeypatch.setattr(RegionProfiler, "verify", least_over_too)
+    with pytest.raises(NoPlanMeasured, match="no plan measured within the budget") as refused:
+        plan(model, ids, budget=budget, reuse=base, memory="tensors")
+    assert refused.value.least_seen == 3 * budget
+    assert refused.value.suggested == math.ceil(3 * budget / (1 - HEADROOM) * (1 + BudgetTooSmall.MARGIN))
 
 
 def test_plan_file_saves_the_plan_then_returns_it_without_profiling(ids, tmp_path, monkeypatch):

@@ -47,3 +47,48 @@ def test_readme_plan_call_plans_or_names_a_budget_that_does(tmp_path: Path) -> N
     else:
         assert out["planned"] > 0, out
     assert out["tensors"] > 0, out
+
+
+LLAMA = """
+import json, re, sys
+import acshim, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+model = LlamaForCausalLM(config)
+ids = torch.randint(0, 512, (8, 121))
+budget = float(sys.argv[1]) if "." in sys.argv[1] else int(sys.argv[1])
+out = {}
+try:
+    found = acshim.plan(model, {"input_ids": ids, "labels": ids}, budget)
+    out["planned"], out["measured"] = found.budget, found.measured_process_peak
+except acshim.planner.BudgetTooSmall as error:
+    out["refused"] = str(error)
+    out["named"] = int(re.search(r"pass budget=(\\d+) ", str(error)).group(1))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _plan_llama(tmp_path: Path, budget: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", LLAMA, budget], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process's memory is read from /proc")
+def test_hf_llama_refusal_names_the_budget_it_tested_and_a_fresh_process_plans_at_it(tmp_path: Path) -> None:
+    """HF Llama 6x128 (batch 8x121) at 0.3 in a fresh process: refused (code paged in and the disk
+    tier's fixed cost leave no plan within it). The budget the refusal names was tested by planning
+    at it before it was named (the suggestion from predictions alone, 29.9 MiB, was refused in turn:
+    its least plan, all disk offload, measured over it); a fresh process plans at it, within it."""
+    pytest.importorskip("transformers")
+    refused = _plan_llama(tmp_path, "0.3")
+    assert "refused" in refused, refused
+    assert "tested: planning at it measured" in refused["refused"], refused
+    planned = _plan_llama(tmp_path, str(refused["named"]))
+    assert planned.get("planned") == refused["named"], planned
+    assert planned["measured"] <= planned["planned"], planned
