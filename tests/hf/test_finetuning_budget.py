@@ -84,7 +84,7 @@ def test_sft_script_at_half_or_the_budget_it_names_trains_exactly_within_it(fixt
     weights and the code its first step paged in (41 MiB of file-backed pages) uncharged. Now those
     are charged: 0.5 either plans or is refused naming a budget; at the budget it planned at, the
     whole run stays within it, below the plain run's peak, and the adapters are bitwise those of the
-    run without checkpointing."""
+    run without checkpointing; the whole step's predicted and measured peaks agree within 10%."""
     from safetensors.torch import load_file
 
     plain = _run(fixture_dir, case, f"{case}-plain", None)
@@ -94,6 +94,12 @@ def test_sft_script_at_half_or_the_budget_it_names_trains_exactly_within_it(fixt
         assert "the least peak the planner predicts" in planned["stderr"], planned["stderr"][-3000:]
         planned = _run(fixture_dir, case, f"{case}-planned", planned["named"])
     assert "replaced 4 region(s)" in planned["stderr"], planned["stderr"][-3000:]
+    # item 2: the whole step's predicted and measured peaks, as the run prints them, within 10% (or 2 MiB)
+    found = re.search(r"replaced 4 region\(s\).*predicted peak ([\d.]+) MiB.*?, measured ([\d.]+) MiB",
+                      planned["stderr"])
+    assert found, planned["stderr"][-3000:]
+    predicted, measured = float(found.group(1)), float(found.group(2))
+    assert abs(predicted - measured) <= max(0.1 * measured, 2.0), (predicted, measured)
     _within(planned)
     assert planned["peak"] < plain["peak"], (planned["peak"], plain["peak"])
     reference = load_file(fixture_dir / f"{case}-plain" / "adapter_model.safetensors")
