@@ -10,9 +10,9 @@ from __future__ import annotations
 from .api import plan
 from .budget import parse_budget
 from .choices import BASE_CHOICES
-from .plan import FrontierPoint, Plan, PlanFileMismatch
+from .plan import FrontierPoint, NoPlanMeasured, Plan, PlanFileMismatch
 from .profile import measure_step
 from .solver import BudgetTooSmall
 
-__all__ = ["BASE_CHOICES", "BudgetTooSmall", "FrontierPoint", "Plan", "PlanFileMismatch", "measure_step", "parse_budget",
-           "plan"]
+__all__ = ["BASE_CHOICES", "BudgetTooSmall", "FrontierPoint", "NoPlanMeasured", "Plan", "PlanFileMismatch",
+           "measure_step", "parse_budget", "plan"]

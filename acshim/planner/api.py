@@ -40,8 +40,10 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     ``storage``: tier(s) for the offload choices (default ``"disk"`` on CPU, ``"host"`` otherwise).
     With ``verify`` the plan is applied once and measured; a plan measured over budget is re-solved
     under a tighter budget, and never returned over budget. Raises ``BudgetTooSmall`` (a
-    ``ValueError``) for a budget below the least achievable peak (naming it) or ``ValueError`` for a
-    model without repeated blocks. The model is left as it was (apply the plan with
+    ``ValueError``) for a budget below the least achievable peak, ``NoPlanMeasured`` (a
+    ``ValueError``) where every plan verified, the least one last, measured over it (each naming a
+    budget that plans, tested by planning at it where the process's memory is read), or
+    ``ValueError`` for a model without repeated blocks. The model is left as it was (apply the plan with
     ``plan.apply(model)``). ``reuse``: an earlier plan of this model whose profile is solved again
     for this budget instead of profiling anew. ``plan_file``: a path, as ``acshim run --budget B
     --plan-file F``: where it holds a plan made for this model (its parameters' names and shapes),
