@@ -194,7 +194,11 @@ class Plan:
 
     def describe(self) -> str:
         """``"5 recompute, 2 selective, 1 keep"`` (and the outside part's choice when not kept)."""
-        return describe_choices(self.choices, self.outside)
+        counts: dict[str, int] = {}
+        for choice in self.choices:
+            counts[choice] = counts.get(choice, 0) + 1
+        outside = "" if self.outside == "keep" else f"; outside the regions: {self.outside}"
+        return ", ".join(f"{n} {c}" for c, n in counts.items()) + outside
 
     def frontier(self, budgets: Iterable[int | float | str] | None = None) -> list[FrontierPoint]:
         """Predicted (peak, step time) of the best plan at each budget (default: 10 budgets from the
@@ -243,15 +247,6 @@ def reference(profile: Profile) -> tuple[int, float]:
         estimated.other_held, estimated.other_transient = profile.other_saved, profile.other_saved
         estimated.other_seconds = min((float(e["seconds"]) for e in profile.outside.values()), default=0.0)
     return max(estimated.peak_of(keep), profile.unchecked_floor), estimated.seconds_of(keep)
-
-
-def describe_choices(choices: list[str], outside: str = "keep") -> str:
-    """``"5 recompute, 2 selective, 1 keep"`` (and the outside part's choice when not kept)."""
-    counts: dict[str, int] = {}
-    for choice in choices:
-        counts[choice] = counts.get(choice, 0) + 1
-    where = "" if outside == "keep" else f"; outside the regions: {outside}"
-    return ", ".join(f"{n} {c}" for c, n in counts.items()) + where
 
 
 def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[str], str], int] | None = None,
@@ -323,7 +318,8 @@ def _solve_within(profile: Profile, budget: int | float | str, measure: Callable
     target = accept - overhead
     seen_peaks: list[str] = []
     least_seen: int | None = None  # what the least plan (the frontier's start) measured, once verified
-    least_tried, floor = False, minimum_peak(profile)
+    # the least plan's predicted peak (the frontier's start): only verified solves measure it
+    least_tried, floor = False, minimum_peak(profile) if measure is not None else 0
     attempt = 0
     while True:
         try:

@@ -82,9 +82,10 @@ def _plan_llama(tmp_path: Path, budget: str) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process's memory is read from /proc")
 def test_hf_llama_refusal_names_the_budget_it_tested_and_a_fresh_process_plans_at_it(tmp_path: Path) -> None:
     """HF Llama 6x128 (batch 8x121) at 0.3 in a fresh process: refused (code paged in and the disk
-    tier's fixed cost leave no plan within it). The budget the refusal names was tested by planning
-    at it before it was named (the suggestion from predictions alone, 29.9 MiB, was refused in turn:
-    its least plan, all disk offload, measured over it); a fresh process plans at it, within it."""
+    tier's fixed cost leave no plan within it). The refusal plans at the budget it would name before
+    naming it, and says whether that passed ("tested") or every budget tried did not ("untested"):
+    the suggestion from predictions alone, 29.9 MiB, was refused in turn (its least plan, all disk
+    offload, measured over it). A fresh process plans at the budget named, within it."""
     pytest.importorskip("transformers")
     refused = _plan_llama(tmp_path, "0.3")
     assert "refused" in refused, refused
