@@ -148,7 +148,7 @@ def _flag_problem(flags: RunFlags) -> str | None:
     if flags.storage not in (None, "host", "disk"):
         return f"acshim {verb}: argument --storage: expected host or disk, got {flags.storage!r}"
     if flags.budget is not None:
-        from .planner.session import check_budget
+        from .planner.budget import check_budget
 
         try:
             check_budget(flags.budget)

@@ -11,7 +11,8 @@ dropout; ``--model gpt``: acshim.testing.GPT of that shape; random weights, noth
   moves tensors to CPU memory: on a CPU it saves nothing and is left out.)
 - plans at peak budgets 0.47 / 0.35 / 0.23 / 0.16 of no checkpointing's peak **by RSS**: bytes the
   process may hold above its baseline (``acshim.plan(model, batch, budget=bytes)``, each budget
-  planned on its own, the first one's planning time in steps of no checkpointing).
+  planned on its own, the first one's planning time in steps of no checkpointing), each in
+  ``--plan-processes`` fresh processes (default 2): the table says whether they chose the same plan.
 - peak by RSS of every configuration in a fresh process (benchmarks/memory_probe.py:
   ``MALLOC_MMAP_THRESHOLD_=65536``, a warm-up step, ``VmHWM`` above the baseline with gradients
   allocated); a plan is applied there from the JSON it was saved to.
@@ -89,6 +90,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="idle, with a busy-loop process on one core (started and killed here), or both")
     parser.add_argument("--busy-seconds", type=int, default=3600,
                         help="the busy-loop process ends itself after this many seconds whatever happens")
+    parser.add_argument("--plan-processes", type=int, default=2,
+                        help="fresh processes each budget is planned in (the first one's plan is run); the table "
+                             "says whether they all chose the same plan (default 2)")
     parser.add_argument("--tolerance-recipe", type=float, default=0.03,
                         help="a plan may be this much slower than the fastest fitting fixed recipe (default 0.03)")
     parser.add_argument("--small", action="store_true", help="4 layers, width 128, seq 64, vocab 512, 3 rounds")
@@ -462,6 +466,11 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
         path = os.path.join(directory, f"plan-{load}-{fraction}.json")
         found = _child("plan", args, [str(int(fraction * none_peak)), path])
         found["path"] = path
+        # the same budget planned again in other fresh processes: do they choose the same plan?
+        again = [_child("plan", args, [str(int(fraction * none_peak)), f"{path}.again{i}"])
+                 for i in range(1, args.plan_processes)]
+        found["same"] = [_label(other["choices"], other["outside"]) if "error" not in other else "refused"
+                         for other in again]
         if "error" not in found:
             found["peak"] = _child("rss", args, ["plan", path])["peak"]
         plans[fraction] = found
@@ -489,15 +498,17 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
     print(f"\nno checkpointing: peak {none_peak / 2**20:.1f} MiB above the baseline\n")
     print("| budget × none | plan (blocks; outside) | peak × none (RSS) | within budget | step × none "
           "| fastest fixed recipe within the budget (step ×) | plan ≤ it + 3% | planning (steps of none) "
-          "| predicted / measured (MiB): peak in its own process; whole step verified |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| predicted / measured (MiB): peak in its own process; whole step verified "
+          f"| same plan in {args.plan_processes} processes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for fraction, found in plans.items():
         budget = fraction * none_peak
         fitting = [name for name in fixed if peaks[name] <= budget * 1.02]
         best = min(fitting, key=lambda name: steps[name], default=None)
         recipe = f"{best} ({steps[best]:.2f})" if best else "none fits"
         if "error" in found:
-            print(f"| {fraction:.2f} | refused: {found['error'][:120]} | | | | {recipe} | | | |")
+            same = "yes" if all(other == "refused" for other in found["same"]) else f"NO: {', '.join(found['same'])}"
+            print(f"| {fraction:.2f} | refused: {found['error'][:120]} | | | | {recipe} | | | | {same} |")
             continue
         name = f"plan @ {fraction:.2f}"
         within = "yes" if found["peak"] <= budget * 1.02 else "NO"
@@ -505,9 +516,15 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
         print(f"| {fraction:.2f} | {_label(found['choices'], found['outside'])} | {found['peak'] / none_peak:.2f} "
               f"| {within} | {steps[name]:.2f} | {recipe} | {faster} "
               f"| {found['planning_seconds'] / found['none_seconds']:.1f} "
-              f"| {_predicted_measured(found)} |")
+              f"| {_predicted_measured(found)} | {_same(found)} |")
     print("\nPlans per block: K keep, S selective, S2 every other matmul, R full recompute, Od offload to disk, "
           "ROd recompute with the input offloaded; `| out Od`: the part outside the blocks offloaded.\n")
+
+
+def _same(found: dict[str, Any]) -> str:
+    """Whether the other processes planning the same budget chose this plan ("NO: theirs" if not)."""
+    mine = _label(found["choices"], found["outside"])
+    return "yes" if all(other == mine for other in found["same"]) else f"NO: {', '.join(found['same'])}"
 
 
 def _predicted_measured(found: dict[str, Any]) -> str:

@@ -84,3 +84,22 @@ def budget_at_least(size: int) -> str:
     if size >= 2**30:
         return f"{math.ceil(size / 2**30 * 100) / 100:.2f}GiB"
     return f"{math.ceil(size / 2**20 * 10) / 10:.1f}MiB"
+
+
+def budget_fraction(budget: int | float | str) -> float | None:
+    """The fraction a budget is, or None for bytes."""
+    try:
+        parse_budget(budget, None)
+    except ValueError as error:
+        if "needs the reference" in str(error):
+            return float(budget)
+        raise
+    return None
+
+
+def check_budget(budget: object) -> None:
+    """ValueError naming ``--budget`` unless ``budget`` is a size, a byte count or a fraction."""
+    try:
+        parse_budget(budget, 1)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--budget {budget}: {error}") from None

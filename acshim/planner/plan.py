@@ -391,7 +391,7 @@ class NoPlanMeasured(ValueError):
     measured as the verification saw it (the process above the step's start, or the tracker's
     peak), ``INFEASIBLE`` where it was stopped on its way over, ``None`` where it was not verified;
     ``suggested``: a budget that measurement says plans (0 where it says none), which the caller
-    re-verifies where it may (``PlanSession._tested_suggestion``)."""
+    re-verifies where it may (``refusal.Refusal.tested_suggestion``)."""
 
     def __init__(self, message: str, least_seen: int | None) -> None:
         super().__init__(message)

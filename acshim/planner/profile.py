@@ -12,6 +12,7 @@ then ``INFEASIBLE``: no plan using it fits), and is timed operator by operator (
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -232,6 +233,24 @@ def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def input_shapes(args: Any, kwargs: Any) -> list[list[int]]:
     """Shapes of the tensors among a call's arguments, in order."""
     return [list(leaf.shape) for leaf in structures.flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+
+
+def larger_inputs(shapes: list[list[int]], planned: list[list[int]]) -> bool:
+    """True when some input is larger than the planned one in the same position (or a new one)."""
+    if not planned:
+        return False
+    if len(shapes) != len(planned):
+        return sum(map(math.prod, shapes)) > sum(map(math.prod, planned))
+    return any(len(a) != len(b) or any(x > y for x, y in zip(a, b, strict=True)) for a, b in zip(shapes, planned,
+                                                                                                  strict=True))
+
+
+def largest_inputs(planned: list[list[int]], shapes: list[list[int]]) -> list[list[int]]:
+    """The inputs planned for once ``shapes`` are too: each size the larger of the two where they
+    line up, else ``shapes``."""
+    if not planned or len(planned) != len(shapes) or any(len(a) != len(b) for a, b in zip(planned, shapes, strict=True)):
+        return shapes
+    return [[max(x, y) for x, y in zip(a, b, strict=True)] for a, b in zip(planned, shapes, strict=True)]
 
 
 def model_signature(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str:

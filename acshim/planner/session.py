@@ -30,7 +30,6 @@ blocks alone, so it is planned on the script's own steps instead (``lockstep``):
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -50,7 +49,7 @@ from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
 from .aliases import parameters_aliased
-from .budget import BetweenBudget, budget_at_least, format_bytes, parse_budget
+from .budget import BetweenBudget, budget_at_least, budget_fraction, check_budget, format_bytes, parse_budget
 from .choices import (
     ASKED,
     BASE_CHOICES,
@@ -88,8 +87,17 @@ from .process import (
     release_stopped,
     trim,
 )
-from .profile import INFEASIBLE, Profile, feasible, input_shapes, model_signature
+from .profile import (
+    INFEASIBLE,
+    Profile,
+    feasible,
+    input_shapes,
+    larger_inputs,
+    largest_inputs,
+    model_signature,
+)
 from .profiler import RegionProfiler, Verification, detached_inputs
+from .refusal import Charges, Refusal
 from .report import frontier_table
 from .routing import Mode
 from .script_loss import ScriptLossWindow
@@ -132,11 +140,6 @@ MAX_STATE_RESOLVES = 2
 """Times a run's plan is solved again for the gradients and optimizer state its steps came to hold
 (``_charge_training_state``): once for the gradients a first backward made, once for the state an
 optimizer's first step made later (gradient accumulation)."""
-
-SUGGESTION_TRIES = 5
-"""Budgets a refusal tests before it names one untested (``_tested_suggestion``), each 10% or more
-above the last: in a freshly installed environment under load, three (up to 1.33x the first) once
-ended untested on HF Llama 6x128 at 0.3 (12.6 MiB of code paged in charged, against 9.5 here)."""
 
 FAKE_PEAK_SHARE = 0.9
 """Share of the fake step's peak (tensor storages, gradients excluded) taken as a lower bound of no
@@ -473,7 +476,7 @@ class PlanSession:
         self._cache_planned_steps()
         shapes = input_shapes(args, kwargs)
         replans = self.replans
-        if _larger(shapes, self._planned_shapes):
+        if larger_inputs(shapes, self._planned_shapes):
             self._replan(module, tuple(args), dict(kwargs), shapes)
         elif needed is not None:
             self._charge_script_part(module, tuple(args), dict(kwargs), needed)
@@ -523,7 +526,7 @@ class PlanSession:
             self.schedule_held = self.pipeline.held(
                 _stage_output_bytes(self, self.pipeline, found[1], found[2]) if self.pipeline.microbatch_key is None
                 else 0)
-            fraction = _fraction(self.budget)
+            fraction = budget_fraction(self.budget)
             if fraction is None and self._budget_bytes is None:  # what the schedule holds is paid first
                 self._budget_bytes = self._microbatch_share(parse_budget(self.budget, 1))
         sharded = sharded_by(found[0] if found is not None else None) if self.world > 1 and \
@@ -643,7 +646,7 @@ class PlanSession:
         memory = self._memory or ProcessMemory("cpu", enabled=self.memory == "process")  # the model's (_take_baseline)
         if self._baseline is None:
             self._baseline = _fresh_baseline(memory)
-        self._planned_shapes = _largest(self._planned_shapes, shapes)
+        self._planned_shapes = largest_inputs(self._planned_shapes, shapes)
         self._lockstep = LockstepPlanner(self, root, memory, self._baseline, explore=now)
         if now:
             self.mode, self.position = Mode.EXPLORE, 0
@@ -682,9 +685,9 @@ class PlanSession:
             if plan.outside != self._outside:  # the head and loss in chunks (lockstep.HEAD_MODE), or back
                 self.run_outside(root, plan.outside, self._shared)
         if self.mode == Mode.EXPLORE:
-            self._planned_shapes = _largest(self._planned_shapes, shapes)
-        elif agree_bytes(int(_larger(shapes, self._planned_shapes)), device_of(root)):
-            self._planned_shapes = _largest(self._planned_shapes, shapes)
+            self._planned_shapes = largest_inputs(self._planned_shapes, shapes)
+        elif agree_bytes(int(larger_inputs(shapes, self._planned_shapes)), device_of(root)):
+            self._planned_shapes = largest_inputs(self._planned_shapes, shapes)
             if self._outside != "keep":  # explored as the model's own part outside the regions
                 self.run_outside(root, "keep")
             lockstep.explore_again()
@@ -757,13 +760,13 @@ class PlanSession:
             raise
         snapshot.restore()
         self._drop_sites_data()
-        self._planned_shapes = _largest(self._planned_shapes, shapes)
+        self._planned_shapes = largest_inputs(self._planned_shapes, shapes)
         self.plan.profile.inputs = shapes  # type: ignore[union-attr]
         self._state_at_solve = replace(training_state(root, self._watch), foreseen=self._foreseen)
 
     def _solve(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], memory: ProcessMemory,
                baseline: int) -> Plan:
-        fraction = _fraction(self.budget)
+        fraction = budget_fraction(self.budget)
         limit = self._budget_bytes if self._budget_bytes is not None else (
             None if fraction is not None else parse_budget(self.budget, 1))
         profiler = RegionProfiler(self, root, args, kwargs, self.loss_fn, memory, baseline, limit,
@@ -793,7 +796,7 @@ class PlanSession:
                 counted_over = (self._count_refusal is not None and isinstance(limit, int) and
                                 profiler.reached.get("count", 0) + self._paged_in() > guard_limit(limit))
                 # a region no choice of which could be measured within the budget: no plan exists, and
-                # the refusal measures it within a larger budget (_measure_stopped) on its captured inputs
+                # the refusal measures it within a larger budget (Refusal.measure_stopped) on its captured inputs
                 remeasure = counted_over or (isinstance(limit, int) and self._measures_for_refusals() and
                                              any(not any(feasible(b, c) for c in b.held) for b in profile.blocks))
                 if not remeasure:
@@ -815,51 +818,29 @@ class PlanSession:
                 if self._agreed():
                     paged, foreseen = agree_bytes(paged, device_of(root)), agree_bytes(foreseen, device_of(root))
                 self._foreseen = foreseen
-                charged = self._script_part + paged + foreseen
-                reserve = math.ceil(charged / (1 - HEADROOM)) if isinstance(limit, int) else 0
+                charges = Charges(self._script_part, paged, foreseen)
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
                                      guarded_budget)
+                refusal = Refusal(profile, profiler, limit, charges, least, overhead, measure, self.retries,
+                                  self._measures_for_refusals(), self.verify)
+                reserve = refusal.reserve
                 try:
                     if counted_over:
                         raise self._count_refusal  # type: ignore[misc]
                     result = solve_within(profile, max(1, limit - reserve) if reserve else limit,
                                           measure if self.verify else None, retries=self.retries, overhead=overhead)
                 except BudgetTooSmall as error:
-                    if ((not least or counted_over) and error.suggested and isinstance(limit, int)
-                            and self._measures_for_refusals()):
-                        least, overhead = self._measure_stopped(profile, profiler, error.suggested + reserve)
-                    if reserve:
-                        error.args = (f"{format_bytes(limit)} less {format_bytes(reserve)} charged besides the "
-                                      f"measurement (below) leaves {error}",)
-                    if least:  # the frontier's own start (plan.least_budget), not a guess
-                        error.suggested = max(least + reserve, limit + 1)
-                        error.why = _why_least(profile, overhead, least)
-                        if reserve:
-                            error.why += f"; and {_charges(self._script_part, paged, foreseen)}, with the headroom: " \
-                                         f"{format_bytes(least + reserve)}"
-                    elif error.suggested:
-                        error.suggested += reserve
-                        if reserve:
-                            error.why = (f"{_charges(self._script_part, paged, foreseen)} charged besides: "
-                                         f"{format_bytes(reserve)} with the headroom")
-                    if least and isinstance(limit, int):
-                        error.suggested, error.why = self._tested_suggestion(
-                            profile, profiler, error.suggested, reserve, error.why, measure, overhead)
+                    refusal.too_small(error, counted_over)
                     raise
                 except NoPlanMeasured as error:  # the least plan measured over: its measurement names the budget
-                    if error.suggested and isinstance(limit, int):
-                        error.suggested = max(error.suggested + reserve, least + reserve if least else 0, limit + 1)
-                        if reserve:
-                            error.why += f"; and {_charges(self._script_part, paged, foreseen)}, with the headroom"
-                        error.suggested, error.why = self._tested_suggestion(
-                            profile, profiler, error.suggested, reserve, error.why, measure, overhead)
+                    refusal.none_measured(error)
                     raise
                 result.least_budget = least + reserve if least else least
                 self._paged_charged = paged
                 result.reference_peak += self._base_besides
                 if reserve:
                     result.budget = limit
-                    _charge(result, self._script_part, paged, foreseen)
+                    charges.charge(result)
         finally:
             self._profiler = None
             self.mode = Mode.IDLE if self.plan is None else Mode.PLANNED
@@ -883,54 +864,6 @@ class PlanSession:
         process planning alone, on a profile of its own (ranks planning together, whose measurements
         run in lock-step, and pipeline stages refuse with the bound)."""
         return self.reuse is None and not self._agreed() and self.pipeline is None
-
-    def _tested_suggestion(self, profile: Profile, profiler: RegionProfiler, suggested: int, reserve: int,
-                           why: str, measure: Callable[[Plan], Verification], overhead: int) -> tuple[int, str]:
-        """A refusal's suggested budget, tested before it is named: the profile is solved and verified
-        within it, less what is charged besides the measurement (``reserve``), as planning at that
-        budget would (its re-solves, then the least plan). Where no plan measured within it, the
-        suggestion grows to what the least plan measured, with the headroom and the margin (by 10%
-        at least), and is tested again: ``SUGGESTION_TRIES`` times at most, the last suggestion named
-        untested if none passed. As ``_measure_stopped``, the process goes over the budget it refuses while doing
-        so; one process alone (ranks planning together and pipeline stages refuse with the untested
-        suggestion), and only where plans are verified."""
-        if not (self.verify and self._measures_for_refusals() and suggested) or minimum_peak(profile) >= INFEASIBLE:
-            return suggested, why
-        profiler.drop_copies()  # the regions' captured inputs are no part of the steps verified
-        first = suggested
-        for _ in range(SUGGESTION_TRIES):
-            within = suggested - reserve
-            profiler.set_limit(suggested)  # the guard leaves out the code paged in itself, as planning's
-            try:
-                found = solve_within(profile, within, measure, retries=self.retries, overhead=overhead)
-            except NoPlanMeasured as error:
-                seen = error.least_seen if error.least_seen is not None and error.least_seen < INFEASIBLE else 0
-                grown = math.ceil(seen / (1 - HEADROOM) * (1 + BudgetTooSmall.MARGIN)) + reserve
-            except BudgetTooSmall:  # what was held besides grew: the least peak with it is above the budget
-                grown = 0
-            else:
-                measured = found.measured_process_peak if found.measured_process_peak is not None else found.measured_peak
-                raised = ("" if suggested == first else
-                          f"; no plan measured within {format_bytes(first)} (tested), nor within the larger budgets "
-                          f"tried in turn up to this one")
-                return suggested, (f"{why}{raised}; tested: planning at it measured {found.describe()} at "
-                                   f"{format_bytes(measured or 0)} of {format_bytes(within)}")
-            suggested = max(grown, math.ceil(suggested * (1 + 2 * BudgetTooSmall.MARGIN)))
-        return suggested, (f"{why}; untested: no plan measured within the budgets below it, tried in turn "
-                           "(each 10% or more above the last)")
-
-    def _measure_stopped(self, profile: Profile, profiler: RegionProfiler, bound: int) -> tuple[int, int]:
-        """A refusal where some part could not be measured within the budget: measure what went over
-        within ``bound`` (the budget that stop suggests, ``solver.suggest_unmeasured``) and return the
-        frontier's least budget then (0 if a part is still unmeasurable) and what the process holds
-        besides once the regions' captured inputs are freed, so that the refusal names the least
-        budget that plans rather than that bound. The process goes over the budget it refuses while
-        doing so; it then ends (``acshim run``) or raises (``acshim.plan``). One process alone: ranks
-        planning together refuse with the bound."""
-        profiler.measure_stopped(profile, bound)
-        profiler.drop_copies()
-        overhead = profiler.used()
-        return least_budget(profile, overhead, profiler.needed_for, guarded_budget), overhead
 
     def _stage_share(self, limit: int, fraction: float | None) -> int:
         """A fractional budget on a pipeline stage: ``limit`` is that share of one microbatch's step
@@ -1133,7 +1066,7 @@ class PlanSession:
             plan.notes.append(f"made again ({why}) and refused ({refused}): the least-memory plan of the last "
                               "profile runs")
             self.plan = plan
-            self._planned_shapes = _largest(self._planned_shapes, shapes)
+            self._planned_shapes = largest_inputs(self._planned_shapes, shapes)
             if rank() == 0:
                 print(f"acshim: --budget {format_bytes(previous.budget)}: {why}, and no plan was measured within the "
                       f"budget for them: {refused}; the run goes on under the least-memory plan of the last profile "
@@ -1265,8 +1198,8 @@ class PlanSession:
         snapshot = ModelSnapshot(root)
         sessions = self._shared
         foreseen = self._foresee(root)
-        paged = self._paged_in()  # the script's own loss, code paged in, state to come (_solve)
-        reserve = math.ceil((self._script_part + paged + foreseen) / (1 - HEADROOM))
+        charges = Charges(self._script_part, self._paged_in(), foreseen)  # as _solve charges them
+        reserve = charges.reserve()
         try:
             with _counters_paused(), parameters_aliased(root):
                 profiler = RegionProfiler(self, root, args, kwargs or {}, self.loss_fn, memory,
@@ -1285,12 +1218,12 @@ class PlanSession:
                 found.reference_peak += self._base_besides
                 if reserve:
                     found.budget = plan.budget
-                    _charge(found, self._script_part, paged, foreseen)
+                    charges.charge(found)
         except (BudgetTooSmall, ValueError) as error:
             found, refused = None, error
             if reserve and isinstance(error, BudgetTooSmall):
                 error.args = (f"{format_bytes(plan.budget)} less {format_bytes(reserve)} charged besides the "
-                              f"measurement ({_charges(self._script_part, paged, foreseen)}) leaves {error}",)
+                              f"measurement ({charges}) leaves {error}",)
         else:
             refused = None
         finally:
@@ -1316,7 +1249,7 @@ class PlanSession:
         if found is not None:  # what the plan in force was solved with
             self._foreseen = foreseen
             self._state_at_solve = replace(training_state(root, self._watch), foreseen=foreseen)
-            self._paged_charged = paged
+            self._paged_charged = charges.paged
         if rank() == 0 and not self.api:
             if changed:
                 outcome = f"now {self.summary(brief=True)}"
@@ -1444,40 +1377,6 @@ def _measure_within_reach(profile: Profile, profiler: RegionProfiler, limit: int
     profile.unmeasured = sorted(profiler.pending())
 
 
-def _charges(script_part: int, paged: int, foreseen: int = 0) -> str:
-    """What a plan is charged besides its measurement, in words."""
-    parts = []
-    if script_part:
-        parts.append(f"{format_bytes(script_part)} for the script's own loss and its backward beyond the planner's "
-                     "loss (measured on the planning step; until then, twice the model's output)")
-    if paged:
-        parts.append(f"{format_bytes(paged)} of code the step paged in (file-backed pages, resident from then on)")
-    if foreseen:
-        parts.append(f"{format_bytes(foreseen)} of optimizer state its first step() will make")
-    return " and ".join(parts)
-
-
-def _charge(plan: Plan, script_part: int, paged: int, foreseen: int = 0) -> None:
-    """Add what is charged besides the verification's measurement to ``plan``'s whole-step
-    prediction, and to its measured peak: the code paged in (resident while it was verified, but not
-    in the anonymous memory it read), the optimizer state foreseen and the script's own loss beyond
-    the planning loss (the verified step had neither: the whole step as the script's later steps
-    hold it, so that the predicted and measured figures printed compare like with like)."""
-    plan.overhead += script_part + paged + foreseen
-    if plan.measured_process_peak is not None:
-        plan.measured_process_peak += script_part + paged + foreseen
-    if script_part or paged or foreseen:
-        plan.notes.append(f"charged: {_charges(script_part, paged, foreseen)}")
-
-
-def _why_least(profile: Profile, overhead: int, least: int) -> str:
-    """Why ``least`` (``plan.least_budget``) plans: what it is made of."""
-    return (f"the least peak the planner predicts, {format_bytes(minimum_peak(profile))}, plus "
-            f"{format_bytes(overhead)} the process held besides, with the verification's {HEADROOM:.0%} headroom "
-            f"and every measurement that plan needs within the guard, and {BudgetTooSmall.MARGIN:.0%} more: "
-            f"{format_bytes(least)}")
-
-
 def _fraction_in_bytes(budget: Any, profile: Profile, overhead: int = 0, besides: int = 0) -> int:
     """A fractional budget in bytes: that share of no checkpointing's peak as the profile estimates it
     (a ``BetweenBudget``: that share of the way from full recompute's predicted peak to it, plus
@@ -1538,51 +1437,6 @@ def _stage_output_bytes(session: PlanSession, stage: PipelineStage, args: tuple[
 def _fresh_baseline(memory: ProcessMemory) -> int:
     trim()
     return memory.current()
-
-
-def _fraction(budget: Any) -> float | None:
-    """The fraction a budget is, or None for bytes."""
-    try:
-        parse_budget(budget, None)
-    except ValueError as error:
-        if "needs the reference" in str(error):
-            return float(budget)
-        raise
-    return None
-
-
-def _larger(shapes: list[list[int]], planned: list[list[int]]) -> bool:
-    """True when some input is larger than the planned one in the same position (or a new one)."""
-    if not planned:
-        return False
-    if len(shapes) != len(planned):
-        return sum(_numel(s) for s in shapes) > sum(_numel(s) for s in planned)
-    return any(len(a) != len(b) or any(x > y for x, y in zip(a, b, strict=True)) for a, b in zip(shapes, planned,
-                                                                                                  strict=True))
-
-
-def _largest(planned: list[list[int]], shapes: list[list[int]]) -> list[list[int]]:
-    if not planned or len(planned) != len(shapes) or any(len(a) != len(b) for a, b in zip(planned, shapes, strict=True)):
-        return shapes
-    return [[max(x, y) for x, y in zip(a, b, strict=True)] for a, b in zip(planned, shapes, strict=True)]
-
-
-def _numel(shape: list[int]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
-
-
-def check_budget(budget: Any) -> None:
-    """ValueError naming ``--budget`` unless ``budget`` is a size, a byte count or a fraction."""
-    try:
-        parse_budget(budget, 1)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"--budget {budget}: {error}") from None
-
-
-_check_budget = check_budget  # the former name
 
 
 @contextlib.contextmanager

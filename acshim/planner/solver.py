@@ -479,7 +479,7 @@ this many times that (an LM head's logits are followed by the loss's copy of the
 def suggest_unmeasured(profile: Profile, budget: int) -> int:
     """A bound for what could not be measured within ``budget``: ``UNMEASURED`` times what the process
     held when the part was stopped. A single process's refusal measures the part again within it and
-    names the frontier's least budget then (``PlanSession._measure_stopped``); ranks planning
+    names the frontier's least budget then (``refusal.Refusal.measure_stopped``); ranks planning
     together name the bound."""
     reached = max(profile.stops.values(), default=0)
     return max(budget + 1, UNMEASURED * reached)
