@@ -121,3 +121,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
         for message in messages:
             terminalreporter.line(message, red=True)
         terminalreporter.line("fix the test, or lower the row's status in compat_matrix/ (then acshim compat --write)")
+
+
+@pytest.fixture(autouse=True)
+def _torchs_cpu_allocator_after_each_test():
+    """``acshim.plan`` leaves acshim's CPU allocator installed where it returns a plan (the steps
+    after it run the plan on it): each test starts and ends on torch's own."""
+    yield
+    from acshim import host_allocator
+
+    if host_allocator.installed():
+        host_allocator.uninstall()

@@ -57,7 +57,13 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
     With ``memory="process"`` on glibc, the call fixes the process's ``M_MMAP_THRESHOLD`` at 64 KiB
     (``acshim.allocator.own``; kept where ``MALLOC_MMAP_THRESHOLD_`` is set) so that its resident
     memory follows what tensors hold; set it before the model is built (or call
-    ``acshim.allocator.own()`` first) to plan from a heap that already follows it. The same call
+    ``acshim.allocator.own()`` first) to plan from a heap that already follows it. From the call on,
+    torch's CPU allocator is acshim's (``acshim.host_allocator``: a mapping per block of 64 KiB or
+    more, freed blocks kept for the steps after the plan, never more than its tensors held at once),
+    so that what it measures, and the steps the plan then runs, follow what tensors hold even where
+    the heap does not (steps run before the threshold was fixed leave free chunks in it, which later
+    tensors reuse and never give back); it stays so where a plan is returned, and is torch's again
+    where the call raises (``acshim.host_allocator.uninstall()`` restores torch's). The same call
     sets the CUDA caching allocator's ``expandable_segments`` unless ``PYTORCH_CUDA_ALLOC_CONF`` /
     ``PYTORCH_ALLOC_CONF`` is set, so that reserved memory on a GPU follows what tensors hold.
     """
@@ -93,6 +99,7 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
                           feedback=False, memory=memory,
                           plan_file=None if plan_file is None else os.fspath(plan_file))
     model.train()
+    planned = False
     try:
         install_outside(model, "keep")  # a plan applied before offloads the outside part: not while planning
         for _, block in blocks:
@@ -105,8 +112,9 @@ def plan(model: nn.Module, example_batch: Any, budget: int | float | str, *,
                 raise ValueError(done.message) from None
         else:
             raise ValueError(f"acshim.plan: no block of {type(model).__name__} ran with grad enabled")
+        planned = True
     finally:
-        session.stop()
+        session.stop(keep_allocator=planned)
         state.restore()
     result = session.plan
     assert result is not None

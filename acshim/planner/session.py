@@ -209,7 +209,8 @@ class PlanSession:
     _lockstep: LockstepPlanner | None = None
     """A sharded model's planner on its real steps (``lockstep``)."""
     _host_allocator: bool = False
-    """Whether this session installed acshim's CPU allocator (``host_allocator``; ``acshim run`` only)."""
+    """Whether this session installed acshim's CPU allocator (``host_allocator``): for the run under
+    ``acshim run``; under ``acshim.plan`` from the call on, kept where it returns a plan (``stop``)."""
     _replanning: bool = False
     """Whether a plan is being made again at a step's start (``_plan_again``): its refusal lets the run
     go on rather than end it."""
@@ -285,13 +286,21 @@ class PlanSession:
             self._start = StepStart(self._memory).start()
         if not self.api:  # acshim.plan ends before the script's steps
             self._watch = OptimizerWatch().start()
-            if self.memory == "process":  # the run's own tensor allocator, caching once the plan runs
-                self._host_allocator = host_allocator.install()
+        if self.memory == "process" and not host_allocator.installed():
+            # acshim run: the run's own tensor allocator, caching once the plan runs. acshim.plan: from
+            # the call on, kept where it returns a plan, so that what it measures and the steps after
+            # it follow what tensors hold even where the heap does not (steps that ran before the mmap
+            # threshold was fixed leave free chunks in the heap, which later tensors reuse and never
+            # give back: HF Llama 6x384 at 0.5 was refused, every plan measured over its prediction;
+            # planned on this allocator but run on the heap, its steps held 85 MiB of a 55 MiB budget)
+            self._host_allocator = host_allocator.install()
         engine.ROUTERS.append(self)
         return self
 
-    def stop(self) -> None:
-        """Stop routing; regions run as the script asked again."""
+    def stop(self, keep_allocator: bool = False) -> None:
+        """Stop routing; regions run as the script asked again. ``keep_allocator``: acshim's CPU
+        allocator, where this session installed it, stays torch's, caching (``acshim.plan``'s plan
+        is then kept by the steps that follow it)."""
         if self in engine.ROUTERS:
             engine.ROUTERS.remove(self)
         if self._start is not None:
@@ -316,7 +325,10 @@ class PlanSession:
             install_outside(self.root, "keep")  # the model's own forward back
             self._outside = "keep"
         if self._host_allocator:
-            host_allocator.uninstall()
+            if keep_allocator:
+                host_allocator.enable_cache()
+            else:
+                host_allocator.uninstall()
             self._host_allocator = False
 
     # ---------------------------------------------------------------------------------- routing
@@ -634,7 +646,7 @@ class PlanSession:
         if lead and self.png and not self.exit_after_plan:
             print(f"acshim: {write_picture(plan, self.png)}", file=sys.stderr, flush=True)
         if self.exit_after_plan:
-            self.stop()
+            self.stop(keep_allocator=self.api)  # acshim.plan's steps run the plan on it
             if lead:
                 print(self.report(), flush=True)
             raise PlanExit(0)

@@ -1,0 +1,60 @@
+"""A user's process (no ``MALLOC_*`` variable): HF Llama trained a few steps without checkpointing,
+then ``acshim.plan(model, batch, fraction)``, the plan applied and trained on. Prints ``PLANNED``
+with the plan's budget and each later step's ``VmHWM`` above what the process held as planning
+started (or ``REFUSED`` and the error)."""
+
+import ctypes
+import json
+import sys
+
+import torch
+import transformers
+
+import acshim
+from acshim import host_allocator
+from acshim.planner.warmup import warm_up
+
+layers, width, seq, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+torch.manual_seed(0)
+config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=width * 8 // 3,
+                                  num_attention_heads=8, num_key_value_heads=8, vocab_size=512,
+                                  max_position_embeddings=seq)
+model = transformers.LlamaForCausalLM(config).train()
+ids = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(1))
+batch = {"input_ids": ids, "labels": ids}
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step() -> None:
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+
+
+def status(field: str) -> int:
+    with open("/proc/self/status") as lines:
+        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(field + ":"))
+
+
+for _ in range(3):  # steps of no checkpointing before planning, as a user's process has run
+    step()
+# planning's one-time imports and warm-up first (as acshim run makes them at its start, and as
+# benchmarks/bench_planner.py does): acshim.plan's budget is above what the process holds once they are
+# made (made by the call itself, they add about 12 MiB here, charged to no plan: docs/planner.md)
+warm_up(("recompute", "selective", "offload:disk"))
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages given back, as the planner's baseline has them
+held = status("VmRSS")  # the budget is what the process may hold above this
+try:
+    plan = acshim.plan(model, batch, budget)
+except ValueError as error:
+    print("REFUSED", str(error).splitlines()[0])
+    sys.exit(0)
+plan.apply(model)
+peaks = []
+for _ in range(3):
+    with open("/proc/self/clear_refs", "w") as clear:  # VmHWM from here: this step's own peak
+        clear.write("5")
+    step()
+    peaks.append(status("VmHWM") - held)
+print("PLANNED", json.dumps({"budget": plan.budget, "peaks": peaks, "installed": host_allocator.installed(),
+                             "predicted": plan.peak + plan.overhead, "measured": plan.measured_process_peak}))
