@@ -518,7 +518,7 @@ def _one_load(args: argparse.Namespace, work: Workload, load: str, fractions: li
               f"| {found['planning_seconds'] / found['none_seconds']:.1f} "
               f"| {_predicted_measured(found)} | {_same(found)} |")
     print("\nPlans per block: K keep, S selective, S2 every other matmul, R full recompute, Od offload to disk, "
-          "ROd recompute with the input offloaded; `| out Od`: the part outside the blocks offloaded.\n")
+          "ROd recompute with the input offloaded; `+ out Od`: the part outside the blocks offloaded.\n")
 
 
 def _same(found: dict[str, Any]) -> str:
@@ -644,8 +644,8 @@ def sweep(args: argparse.Namespace, work: Workload) -> None:
 
 
 def _label(choices: list[str], outside: str = "keep") -> str:
-    """Short per-block choices, then the outside part's when it is not kept (``| out Od``)."""
-    return " ".join(map(_short, choices)) + ("" if outside == "keep" else f" | out {_short(outside)}")
+    """Short per-block choices, then the outside part's when it is not kept (``+ out Od``; no ``|``, which would split a table cell)."""
+    return " ".join(map(_short, choices)) + ("" if outside == "keep" else f" + out {_short(outside)}")
 
 
 def _short(choice: str) -> str:
