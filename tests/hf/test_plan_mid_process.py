@@ -4,7 +4,8 @@ heap, and the heap keeps its free chunks resident once they are reused. Planning
 (HF Llama 6x384, batch 2x256, at 0.5: "no plan measured within the budget 51.9 MiB after 7
 re-solves", every plan over its prediction); planned on acshim's CPU allocator but trained on the
 heap, the steps held 85 MiB of a 55 MiB budget. Now the call plans on acshim's allocator and leaves
-it installed, so the plan's steps keep the budget (a fresh process: the heap's state matters)."""
+it installed, so the plan's steps keep the budget (a fresh process: the heap's state matters), with
+the weights bitwise those of the same steps without checkpointing."""
 
 from __future__ import annotations
 
@@ -30,5 +31,28 @@ def test_plan_after_unplanned_steps_plans_and_its_steps_keep_the_budget() -> Non
     assert line.startswith("PLANNED "), line
     found = json.loads(line[len("PLANNED "):])
     assert found["installed"], found                                      # the plan's steps run on it
+    assert found["equal"], found          # weights bitwise those of the same steps without checkpointing
     assert abs(found["predicted"] - found["measured"]) <= max(0.1 * found["measured"], 2 * 2**20), found
     assert all(0 < peak <= found["budget"] for peak in found["peaks"]), found
+
+
+def test_plan_leaves_acshims_allocator_installed_only_where_it_returns_a_plan() -> None:
+    """Nothing left half-patched: a refused call gives torch's CPU allocator back; a plan keeps
+    acshim's, caching (its steps run the plan on it)."""
+    import torch
+
+    import acshim
+    from acshim import host_allocator
+    from acshim.planner import BudgetTooSmall
+    from acshim.testing import GPT, seeded
+
+    if not host_allocator.install():
+        pytest.skip(f"acshim's CPU allocator is unavailable here: {host_allocator.status()}")
+    host_allocator.uninstall()
+    model = seeded(lambda: GPT(layers=4, width=256, heads=4, seq=128, vocab=128))
+    ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(BudgetTooSmall):
+        acshim.plan(model, ids, budget="1MiB")
+    assert not host_allocator.installed()
+    found = acshim.plan(model, ids, budget="1GiB")
+    assert found.choices and host_allocator.installed() and host_allocator.caching()

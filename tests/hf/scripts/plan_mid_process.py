@@ -1,8 +1,10 @@
 """A user's process (no ``MALLOC_*`` variable): HF Llama trained a few steps without checkpointing,
-then ``acshim.plan(model, batch, fraction)``, the plan applied and trained on. Prints ``PLANNED``
+then ``acshim.plan(model, batch, fraction)``, the plan applied and trained on, and a copy of the
+model trained on as long without checkpointing (whether the weights are then equal). Prints ``PLANNED``
 with the plan's budget and each later step's ``VmHWM`` above what the process held as planning
 started (or ``REFUSED`` and the error)."""
 
+import copy
 import ctypes
 import json
 import sys
@@ -25,10 +27,11 @@ batch = {"input_ids": ids, "labels": ids}
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def step() -> None:
-    model(**batch).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)
+def step(net: torch.nn.Module | None = None, opt: torch.optim.Optimizer | None = None) -> None:
+    net, opt = net or model, opt or optimizer
+    net(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
 
 
 def status(field: str) -> int:
@@ -38,6 +41,10 @@ def status(field: str) -> int:
 
 for _ in range(3):  # steps of no checkpointing before planning, as a user's process has run
     step()
+# the same model and optimizer, trained on without checkpointing afterwards: the reference weights
+reference = copy.deepcopy(model)
+reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
 # planning's one-time imports and warm-up first (as acshim run makes them at its start, and as
 # benchmarks/bench_planner.py does): acshim.plan's budget is above what the process holds once they are
 # made (made by the call itself, they add about 12 MiB here, charged to no plan: docs/planner.md)
@@ -56,5 +63,9 @@ for _ in range(3):
         clear.write("5")
     step()
     peaks.append(status("VmHWM") - held)
+for _ in range(3):
+    step(reference, reference_optimizer)
+equal = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
 print("PLANNED", json.dumps({"budget": plan.budget, "peaks": peaks, "installed": host_allocator.installed(),
+                             "equal": equal,
                              "predicted": plan.peak + plan.overhead, "measured": plan.measured_process_peak}))
