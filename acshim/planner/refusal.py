@@ -37,15 +37,18 @@ class Charges:
     """What a plan is charged besides its verification's measurement, which cannot see it: the
     script's own loss and its backward beyond the planning loss's, the code the step paged in
     (file-backed pages; the verification reads anonymous memory) and the optimizer state a first
-    ``step()`` will make. Charged once, explicitly, with the verification's headroom."""
+    ``step()`` will make, and what ``acshim.plan`` loaded into the process the first time it ran
+    (``loaded``: the code and state ``warmup`` loads, resident from then on, above what the process
+    held when the call was made). Charged once, explicitly, with the verification's headroom."""
 
     script_part: int = 0
     paged: int = 0
     foreseen: int = 0
+    loaded: int = 0
 
     @property
     def total(self) -> int:
-        return self.script_part + self.paged + self.foreseen
+        return self.script_part + self.paged + self.foreseen + self.loaded
 
     def reserve(self) -> int:
         """The bytes a budget keeps for them: the plan is solved and verified within the rest."""
@@ -61,6 +64,9 @@ class Charges:
                          "then on)")
         if self.foreseen:
             parts.append(f"{format_bytes(self.foreseen)} of optimizer state its first step() will make")
+        if self.loaded:
+            parts.append(f"{format_bytes(self.loaded)} that planning loaded into the process once (torch._dynamo, "
+                         "acshim's extensions; resident from then on)")
         return " and ".join(parts)
 
     def charge(self, plan: Plan) -> None:

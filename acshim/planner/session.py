@@ -245,6 +245,10 @@ class PlanSession:
     script's own loss as charged. No checkpointing's step holds them too, and ``VmHWM`` counts them,
     so they are part of the peak a fraction is of (``_fraction_in_bytes``), as they are of each plan's
     predicted whole step (``Plan.overhead``)."""
+    _loaded: int = 0
+    """What ``start``'s warm-up added to the process above what it held before (``acshim.plan``: its
+    budget is above what the process held when the call was made), charged to every plan
+    (``Charges.loaded``); 0 under ``acshim run``, which warms up before the script runs."""
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
@@ -276,12 +280,18 @@ class PlanSession:
         check_budget(self.budget)
         check_memory_kind(self.memory)
         expand_choices(self.choices, ("disk",))
+        self._memory = ProcessMemory("cpu", enabled=self.memory == "process")
+        before = held_now(self._memory) if baseline_now else None
         with _counters_paused():  # the warm-up's tiny layer is not the script's region
             warm_up(self.choices, self.storage)
-        self._memory = ProcessMemory("cpu", enabled=self.memory == "process")
         if baseline_now:
             self._held_at_start = held_now(self._memory)
             self._baseline = self._held_at_start["cpu"]
+            assert before is not None
+            # acshim.plan's budget is above what the process held when it was called: the code and
+            # state its warm-up loaded there the first time (about 12 MiB on CPU: torch._dynamo,
+            # acshim's extensions) are the process's from then on, and charged to the plan
+            self._loaded = sum(max(0, self._held_at_start[key] - before.get(key, 0)) for key in ("cpu", "file"))
         else:
             self._start = StepStart(self._memory).start()
         if not self.api:  # acshim.plan ends before the script's steps
@@ -830,7 +840,7 @@ class PlanSession:
                 if self._agreed():
                     paged, foreseen = agree_bytes(paged, device_of(root)), agree_bytes(foreseen, device_of(root))
                 self._foreseen = foreseen
-                charges = Charges(self._script_part, paged, foreseen)
+                charges = Charges(self._script_part, paged, foreseen, self._loaded)
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
                                      guarded_budget)
                 refusal = Refusal(profile, profiler, limit, charges, least, overhead, measure, self.retries,
@@ -1210,7 +1220,7 @@ class PlanSession:
         snapshot = ModelSnapshot(root)
         sessions = self._shared
         foreseen = self._foresee(root)
-        charges = Charges(self._script_part, self._paged_in(), foreseen)  # as _solve charges them
+        charges = Charges(self._script_part, self._paged_in(), foreseen, self._loaded)  # as _solve charges them
         reserve = charges.reserve()
         try:
             with _counters_paused(), parameters_aliased(root):

@@ -23,16 +23,17 @@ def test_charges_are_reserved_with_the_headroom_and_added_to_the_whole_step_once
     nothing.charge(plan)
     assert (nothing.reserve(), str(nothing), plan.overhead, plan.notes) == (0, "", 5 * MiB, [])
 
-    charges = Charges(script_part=2 * MiB, paged=3 * MiB, foreseen=1 * MiB)
-    assert charges.total == 6 * MiB
-    assert charges.reserve() == math.ceil(6 * MiB / (1 - HEADROOM)) > 6 * MiB
+    charges = Charges(script_part=2 * MiB, paged=3 * MiB, foreseen=1 * MiB, loaded=4 * MiB)
+    assert charges.total == 10 * MiB
+    assert charges.reserve() == math.ceil(10 * MiB / (1 - HEADROOM)) > 10 * MiB
     charges.charge(plan)
-    assert (plan.overhead, plan.measured_process_peak) == (11 * MiB, 48 * MiB)
+    assert (plan.overhead, plan.measured_process_peak) == (15 * MiB, 52 * MiB)
     assert plan.notes == [f"charged: {charges}"]
     assert str(charges) == (
         "2.0 MiB for the script's own loss and its backward beyond the planner's loss (measured on the planning "
         "step; until then, twice the model's output) and 3.0 MiB of code the step paged in (file-backed pages, "
-        "resident from then on) and 1.0 MiB of optimizer state its first step() will make")
+        "resident from then on) and 1.0 MiB of optimizer state its first step() will make and 4.0 MiB that "
+        "planning loaded into the process once (torch._dynamo, acshim's extensions; resident from then on)")
 
 
 def _refusal(least: int, measures_beyond: bool = False) -> Refusal:

@@ -1,8 +1,8 @@
 """A user's process (no ``MALLOC_*`` variable): HF Llama trained a few steps without checkpointing,
 then ``acshim.plan(model, batch, fraction)``, the plan applied and trained on, and a copy of the
 model trained on as long without checkpointing (whether the weights are then equal). Prints ``PLANNED``
-with the plan's budget and each later step's ``VmHWM`` above what the process held as planning
-started (or ``REFUSED`` and the error)."""
+with the plan's budget and each later step's ``VmHWM`` above what the process held before the call
+(planning's one-time imports, made by the call, included), or ``REFUSED`` and the error."""
 
 import copy
 import ctypes
@@ -14,7 +14,6 @@ import transformers
 
 import acshim
 from acshim import host_allocator
-from acshim.planner.warmup import warm_up
 
 layers, width, seq, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 torch.manual_seed(0)
@@ -45,12 +44,8 @@ for _ in range(3):  # steps of no checkpointing before planning, as a user's pro
 reference = copy.deepcopy(model)
 reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-# planning's one-time imports and warm-up first (as acshim run makes them at its start, and as
-# benchmarks/bench_planner.py does): acshim.plan's budget is above what the process holds once they are
-# made (made by the call itself, they add about 12 MiB here, charged to no plan: docs/planner.md)
-warm_up(("recompute", "selective", "offload:disk"))
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages given back, as the planner's baseline has them
-held = status("VmRSS")  # the budget is what the process may hold above this
+held = status("VmRSS")  # the budget is what the process may hold above this, planning's own imports included
 try:
     plan = acshim.plan(model, batch, budget)
 except ValueError as error:
@@ -68,4 +63,5 @@ for _ in range(3):
 equal = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True))
 print("PLANNED", json.dumps({"budget": plan.budget, "peaks": peaks, "installed": host_allocator.installed(),
                              "equal": equal,
-                             "predicted": plan.peak + plan.overhead, "measured": plan.measured_process_peak}))
+                             "predicted": plan.peak + plan.overhead, "measured": plan.measured_process_peak,
+                             "notes": plan.notes}))
