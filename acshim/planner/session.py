@@ -248,7 +248,8 @@ class PlanSession:
     _loaded: int = 0
     """What ``start``'s warm-up added to the process above what it held before (``acshim.plan``: its
     budget is above what the process held when the call was made), charged to every plan
-    (``Charges.loaded``); 0 under ``acshim run``, which warms up before the script runs."""
+    (``Charges.loaded``); 0 under ``acshim run``, which warms up before the script runs, and for a
+    model on a GPU (its budget counts the caching allocator's reserved bytes)."""
     _resident_at_start: int = 0
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
@@ -613,6 +614,8 @@ class PlanSession:
             self._start = None
         if device.type == "cuda" and (self._memory is None or self._memory.device.type != "cuda"):
             self._memory = ProcessMemory(device, enabled=self.memory == "process")
+        if device.type != "cpu":
+            self._loaded = 0  # host memory: not what a GPU budget (reserved bytes) counts
         held = self._held_at_start or {}
         if self._memory is not None and device_key(self._memory.device) in held:
             self._baseline = held[device_key(self._memory.device)]
