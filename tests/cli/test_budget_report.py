@@ -3,6 +3,7 @@ the patches and the plan router are process-wide)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -67,9 +68,21 @@ def _result(stdout: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def test_run_budget_replaces_checkpoint_wrapper_recipe_gradients_bitwise_peak_within(tmp_path: Path) -> None:
-    script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("run", "--budget", "0.7", str(script), "2", cwd=tmp_path, env=PLANNABLE)
+@pytest.fixture(scope="module")
+def planned_with_plan_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``acshim run --budget 0.7 --plan-file plan.json`` on CHECKPOINT_WRAPPER (2 steps), launched once
+    for the two tests that check it: the run's plan and gradients, and the plan file it writes (which
+    the plan-file test then reuses and refuses); its folder (script, plan.json) and the run."""
+    folder = tmp_path_factory.mktemp("plan-file")
+    script = _script(folder, CHECKPOINT_WRAPPER)
+    return folder, _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=folder,
+                           env=PLANNABLE)
+
+
+def test_run_budget_replaces_checkpoint_wrapper_recipe_gradients_bitwise_peak_within(
+        planned_with_plan_file: tuple[Path, subprocess.CompletedProcess]) -> None:
+    """The run (saving its plan too: the plan-file test's first run, launched once for both)."""
+    done = planned_with_plan_file[1]
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "replaced" in line]
     assert len(lines) == 1, done.stderr  # one log line
@@ -143,9 +156,21 @@ def test_torch_utils_checkpoint_calls_are_planned_and_reported(tmp_path: Path, f
         assert "torch.utils.checkpoint     3 region(s), 6 forwards, 6 recomputes" in done.stderr
 
 
-def test_plan_prints_table_and_frontier_and_exits_before_training_on(tmp_path: Path) -> None:
-    script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("plan", "--budget", "40MiB", "--sweep", "--", str(script), "5", cwd=tmp_path, env=PLANNABLE)
+@pytest.fixture(scope="module")
+def plan_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``acshim plan --budget 40MiB --sweep`` on CHECKPOINT_WRAPPER asked for 5 steps, with ``--png
+    frontier.png`` where matplotlib is installed: launched once for the table's test and the
+    picture's; its folder (script, frontier.png) and the run."""
+    folder = tmp_path_factory.mktemp("plan-sweep")
+    script = _script(folder, CHECKPOINT_WRAPPER)
+    png = ["--png", "frontier.png"] if importlib.util.find_spec("matplotlib") is not None else []
+    return folder, _acshim("plan", "--budget", "40MiB", "--sweep", *png, "--", str(script), "5", cwd=folder,
+                           env=PLANNABLE)
+
+
+def test_plan_prints_table_and_frontier_and_exits_before_training_on(
+        plan_sweep: tuple[Path, subprocess.CompletedProcess]) -> None:
+    done = plan_sweep[1]
     assert done.returncode == 0, done.stderr
     assert "trained step" not in done.stdout  # stopped inside the first step
     out = done.stdout.splitlines()
@@ -462,17 +487,17 @@ def test_hf_trainer_under_budget_trains_exactly_as_without_checkpointing(tmp_pat
     assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got)
 
 
-def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
+def test_plan_sweep_writes_the_frontier_png(plan_sweep: tuple[Path, subprocess.CompletedProcess]) -> None:
     """``--png`` with the optional 'plot' extra: one step's memory block by block beside the frontier
-    (``acshim plan``), and the same picture from ``acshim run --budget`` once it has planned."""
+    (``acshim plan``: the run the table's test checks, launched once for both), and the same picture
+    from ``acshim run --budget`` once it has planned."""
     pytest.importorskip("matplotlib")
     import matplotlib.image
 
     from acshim.planner import picture
 
-    script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    done = _acshim("plan", "--budget", "40MiB", "--sweep", "--png", "frontier.png", "--", str(script), cwd=tmp_path,
-                   env=PLANNABLE)
+    tmp_path, done = plan_sweep
+    script = tmp_path / "train.py"
     assert done.returncode == 0, done.stderr
     png = (tmp_path / "frontier.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and "frontier.png" in done.stdout
@@ -486,12 +511,13 @@ def test_plan_sweep_writes_the_frontier_png(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--png draws a --budget plan's memory" in done.stderr
 
 
-def test_plan_file_is_written_then_reused_without_profiling_and_refused_for_another_budget(tmp_path: Path) -> None:
+def test_plan_file_is_written_then_reused_without_profiling_and_refused_for_another_budget(
+        planned_with_plan_file: tuple[Path, subprocess.CompletedProcess]) -> None:
     """``--plan-file``: the run that plans writes it; the next run of the same script, batch and
     budget uses it without profiling (gradients bitwise as without checkpointing); another budget or
     model is refused with exit 2 naming what differs."""
-    script = _script(tmp_path, CHECKPOINT_WRAPPER)
-    first = _acshim("run", "--budget", "0.7", "--plan-file", "plan.json", str(script), "2", cwd=tmp_path, env=PLANNABLE)
+    tmp_path, first = planned_with_plan_file  # the run the first test checks, launched once for both
+    script = tmp_path / "train.py"
     assert first.returncode == 0, first.stderr
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["format"] == "acshim-plan/1" and "reused" not in first.stderr

@@ -68,7 +68,7 @@ def _launch(command: Sequence[str], timeout: float = 150, env: dict[str, str] | 
     return Launch(process.returncode, stdout, stderr)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a function: module-scoped fixtures may launch too
 def launch() -> Callable[..., Launch]:
     """``launch(command, timeout=..., env=..., cwd=...)`` runs a launcher command to completion."""
     return _launch
@@ -78,7 +78,7 @@ def _torchrun_command(*args: str, nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun() -> Callable[..., list[str]]:
     """``torchrun(*args, nproc=2)``: the torchrun command on this machine's loopback with a free
     port (``--standalone`` picks one)."""

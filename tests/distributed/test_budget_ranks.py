@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,21 +48,37 @@ def test_plan_across_ranks_prints_one_table_and_exits(launch, torchrun) -> None:
 
 
 SHARDED = str(Path(__file__).resolve().parent / "scripts" / "sharded_budget.py")
+SHARDED_ROWS = ("--rows", "2048,2048,2048,2048,2048,2048,2048")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_planned(launch, torchrun, tmp_path_factory) -> tuple[list[str], str, Any]:
+    """FSDP2 at ``--budget 0.6`` over 7 steps, saving rank 0's plan with ``--plan-file``: one launch
+    for test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly[fsdp2] (the run)
+    and test_sharded_plan_file_is_reused_on_every_rank_without_exploring (its first run, the file);
+    the command, the plan file's path and the launch."""
+    path = str(tmp_path_factory.mktemp("fsdp2-plan") / "plan.json")
+    command = torchrun("-m", "acshim", "run", "--budget", "0.6", "--plan-file", path, SHARDED, "--engine", "fsdp2",
+                       *SHARDED_ROWS)
+    return command, path, launch(command, timeout=400)
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
-def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(launch, torchrun, engine: str) -> None:
+def test_sharded_ranks_plan_on_their_own_steps_within_budget_and_train_exactly(launch, torchrun, request,
+                                                                               engine: str) -> None:
     """FSDP2 (fully_shard per block and root) and a DeepSpeed engine at ZeRO-3: two steps run every
     region recomputed with its input on disk, then one recomputed, one offloaded (disk), and one with
     a block selective and one selective-alt where each is predicted within the budget, all measured;
     rank 0 solves and broadcasts, the next step verifies. Every
     step of every rank peaks within the budget as the kernel's VmHWM sees it, the plan keeps or
-    offloads some blocks, and the full weights after 5 steps (dropout on) equal the same engine's without
-    checkpointing bitwise."""
-    command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", engine,
-                       "--rows", "2048,2048,2048,2048,2048,2048,2048")
-    # two explored steps more than before (the storage choices'): ZeRO-3's 12 steps took over 240 s at load 13
-    result = launch(command, timeout=400)
+    offloads some blocks, and the full weights after 7 steps (dropout on) equal the same engine's without
+    checkpointing bitwise. (FSDP2's run also saves its plan, for the plan-file test: ``fsdp2_planned``.)"""
+    if engine == "fsdp2":
+        result = request.getfixturevalue("fsdp2_planned")[2]
+    else:
+        command = torchrun("-m", "acshim", "run", "--budget", "0.6", SHARDED, "--engine", engine, *SHARDED_ROWS)
+        # two explored steps more than before (the storage choices'): ZeRO-3's 12 steps took over 240 s at load 13
+        result = launch(command, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = result.results
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -100,16 +117,13 @@ def test_sharded_step_with_larger_inputs_is_explored_again_within_the_budget(lau
         assert max(r["peaks"][11:]) < min(r["none"][11:]), r          # 4096 rows: less than without checkpointing
 
 
-def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, torchrun, tmp_path) -> None:
-    """``--plan-file``: the first run saves the plan rank 0 made; the second runs it from its first
-    step on every rank (nothing explored), as exact and within the budget."""
-    path = str(tmp_path / "plan.json")
-    env: dict[str, str] = {}
-    command = torchrun("-m", "acshim", "run", "--budget", "0.6", "--plan-file", path, SHARDED, "--engine", "fsdp2",
-                       "--rows", "2048,2048,2048,2048,2048,2048")
-    first = launch(command, env=env, timeout=240)
+def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, fsdp2_planned) -> None:
+    """``--plan-file``: the first run saves the plan rank 0 made (7 steps: the run the FSDP2 test
+    above checks, launched once for both); the second runs it from its first step on every rank
+    (nothing explored), as exact and within the budget."""
+    command, path, first = fsdp2_planned
     assert first.returncode == 0, first.stderr[-3000:]
-    again = launch(command, env=env, timeout=240)
+    again = launch(command, timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"reused from {path} (not profiled again)" in again.stderr
     assert [r["choices"] for r in again.results] == [first.results[0]["choices"]] * 2
@@ -121,8 +135,9 @@ def test_sharded_plan_file_is_reused_on_every_rank_without_exploring(launch, tor
 def test_sharded_budget_below_full_recompute_is_refused_naming_one_that_plans(launch, torchrun) -> None:
     """A budget below what the least plan needs (every region recomputed or offloaded) ends every
     rank with exit 2 after the explored steps, naming a budget; that budget then plans."""
+    # refused before its results: the run without checkpointing is not made (--planned-only)
     command = torchrun("-m", "acshim", "run", "--budget", "20MiB", SHARDED, "--engine", "fsdp2",
-                       "--rows", "2048,2048,2048,2048,2048,2048")
+                       "--rows", "2048,2048,2048,2048,2048,2048", "--planned-only")
     result = launch(command, timeout=240)
     assert result.returncode != 0
     # (no selective-op sampled, nor every region offloaded: predicted over 20 MiB, those steps are skipped)
@@ -142,14 +157,15 @@ def test_acshim_plan_across_sharded_ranks_prints_one_table_or_says_the_script_wa
     """``acshim plan`` on a sharded model: the plan is made when the sixth step starts, printed once,
     and every rank exits 0 there; a script that ends before that is an error naming the steps needed."""
     env: dict[str, str] = {}
+    # both end before the script's results: the run without checkpointing is not made (--planned-only)
     result = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SHARDED, "--engine", "fsdp2",
-                             "--rows", "2048,2048,2048,2048,2048,2048"), env=env, timeout=240)
+                             "--rows", "2048,2048,2048,2048,2048,2048", "--planned-only"), env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("acshim plan: budget") == 1
     assert "measured on the script's own steps, in lock-step" in result.stdout
     assert "RESULT" not in result.stdout
     short = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SHARDED, "--engine", "fsdp2",
-                            "--rows", "2048,2048,2048"), env=env, timeout=240)
+                            "--rows", "2048,2048,2048", "--planned-only"), env=env, timeout=240)
     assert short.returncode != 0
     assert "the script ended before its sharded model's plan was made: it is planned on the script's own steps " \
            "and needs up to 6 training steps" in short.stderr, short.stderr[-3000:]

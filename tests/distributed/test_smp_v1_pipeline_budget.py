@@ -73,8 +73,10 @@ def test_an_smp_v1_budget_in_mib_plans_both_stages_and_one_too_small_is_refused_
 
 def test_acshim_plan_on_smp_v1_stages_is_refused_saying_when_each_stage_plans(launch, torchrun) -> None:
     """``acshim plan`` would end one stage while the other waits: refused with exit 2, saying that
-    each SMP v1 stage plans at its second microbatch (the first shows the calls' shapes)."""
-    run = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SCRIPT), env=ENV, timeout=300)
+    each SMP v1 stage plans at its second microbatch (the first shows the calls' shapes). Refused
+    before the script's results: its unplanned run is not made (``--planned-only``)."""
+    run = launch(torchrun("-m", "acshim", "plan", "--budget", "0.6", "--", SCRIPT, "--planned-only"), env=ENV,
+                 timeout=300)
     assert run.returncode != 0 and "RESULT" not in run.stdout
     assert re.search(r"exitcode\s*: 2", run.stderr), run.stderr[-3000:]
     assert not re.search(r"exitcode\s*: 1", run.stderr), run.stderr[-3000:]       # whichever rank torchrun sees first

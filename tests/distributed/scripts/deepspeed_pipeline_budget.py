@@ -1,12 +1,13 @@
 """``torchrun ... -m acshim run --budget B deepspeed_pipeline_budget.py``: real DeepSpeed pipeline
 parallelism (a ``PipelineModule`` of 2 stages of ``Block`` layers, ``engine.train_batch()`` with 4
-micro-batches, DeepSpeed's CPU accelerator, gloo) trained twice for 3 steps: first without
-checkpointing and unplanned (``activation_checkpoint_interval=0``, acshim's plan set aside), then
-with every layer checkpointed (interval 1) under the plan. Every rank prints ``RESULT {json}``:
-its stage, whether losses and its stage's weights are bitwise equal between the two runs (dropout
-on), each run's peak as the kernel saw it (``VmHWM`` above the process's memory when its first
-``train_batch`` started, heap trimmed and high-water mark reset there: shared/MEASURING.md), and
-the plan: its choices, the rank's budget in bytes and the microbatches alive at once on the stage.
+micro-batches, DeepSpeed's CPU accelerator, gloo) trained twice for 2 steps (the planning step,
+then one under the plan): first without checkpointing and unplanned
+(``activation_checkpoint_interval=0``, acshim's plan set aside), then with every layer checkpointed
+(interval 1) under the plan. Every rank prints ``RESULT {json}``: its stage, whether losses and its
+stage's weights are bitwise equal between the two runs (dropout on), each run's peak as the kernel
+saw it (``VmHWM`` above the process's memory when its first ``train_batch`` started, heap trimmed
+and high-water mark reset there: shared/MEASURING.md), and the plan: its choices, the rank's budget
+in bytes and the microbatches alive at once on the stage.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 import acshim.region
 
-WIDTH, ROWS, BLOCKS, MICRO, STEPS = 512, 2048, 16, 4, 3
+WIDTH, ROWS, BLOCKS, MICRO, STEPS = 512, 2048, 16, 4, 2
 
 
 class Block(nn.Module):

@@ -1,8 +1,9 @@
 """A sharded training script, run by tests/distributed as
-``torchrun ... -m acshim run --budget B sharded_budget.py --engine fsdp1|fsdp2|zero3 [--rows R,R,...] [--blocks N]``:
-the same steps (dropout on, one batch per entry of ``--rows``) without checkpointing and then with
-it, on the same engine: FSDP2 (``fully_shard`` per block and on the root, torch's
-``checkpoint_wrapper`` on the blocks), FSDP1 (``FullyShardedDataParallel`` wrapping each block and
+``torchrun ... -m acshim run --budget B sharded_budget.py --engine fsdp1|fsdp2|zero3 [--rows R,R,...] [--blocks N]
+[--planned-only]``: the same steps (dropout on, one batch per entry of ``--rows``) without
+checkpointing and then with it (only with it, ``--planned-only``: for a run that is to end before
+its results, refused or ``acshim plan``), on the same engine: FSDP2 (``fully_shard`` per block and
+on the root, torch's ``checkpoint_wrapper`` on the blocks), FSDP1 (``FullyShardedDataParallel`` wrapping each block and
 the root, ``use_orig_params``, the same ``checkpoint_wrapper``) or a DeepSpeed engine at ZeRO-3 (``deepspeed.checkpointing.
 checkpoint`` in the model's forward). Every rank prints ``RESULT {json}``: whether the full weights
 are bitwise equal, the plan, and each checkpointed step's peak as the kernel saw it (``VmHWM``
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("fsdp1", "fsdp2", "zero3"), required=True)
     parser.add_argument("--rows", default="2048,2048,2048,2048")
     parser.add_argument("--blocks", type=int, default=BLOCKS)
+    parser.add_argument("--planned-only", action="store_true", help="skip the run without checkpointing")
     args = parser.parse_args()
     globals()["BLOCKS"] = args.blocks
     if args.engine == "zero3":
@@ -190,10 +192,11 @@ def main() -> None:
 
     sessions = list(acshim.region.ROUTERS)
     none: list[int] = []
-    reference = unplanned(lambda: train(args.engine, False, rows, none))
+    reference = unplanned(lambda: train(args.engine, False, rows, none)) if not args.planned_only else None
     peaks: list[int] = []
     weights = train(args.engine, True, rows, peaks)
-    result = {"rank": dist.get_rank(), "equal": all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True)),
+    equal = reference is not None and all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))
+    result = {"rank": dist.get_rank(), "equal": equal,
               "finite": all(bool(w.isfinite().all()) for w in weights), "peaks": peaks, "none": none}
     if sessions and sessions[0].plan is not None:
         session = sessions[0]
