@@ -1,5 +1,5 @@
 """A user's process (no ``MALLOC_*`` variable): HF Llama trained a few steps without checkpointing,
-then ``acshim.plan(model, batch, fraction)``, the plan applied and trained on, and a copy of the
+then ``acshim.plan(model, batch, budget)`` (a fraction, or bytes), the plan applied and trained on, and a copy of the
 model trained on as long without checkpointing (whether the weights are then equal). Prints ``PLANNED``
 with the plan's budget and each later step's ``VmHWM`` above what the process held before the call
 (planning's one-time imports, made by the call, included), or ``REFUSED`` and the error."""
@@ -15,7 +15,8 @@ import transformers
 import acshim
 from acshim import host_allocator
 
-layers, width, seq, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+layers, width, seq = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+budget = float(sys.argv[4]) if "." in sys.argv[4] else int(sys.argv[4])  # a fraction, or bytes
 torch.manual_seed(0)
 config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=width * 8 // 3,
                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=512,
