@@ -21,23 +21,34 @@ def _bytes(tensors) -> int:
 
 
 def test_gradients_and_the_state_of_optimizers_that_stepped_are_counted_once_each() -> None:
+    """The model's parameters' gradients and optimizer state, and those of a second model its
+    optimizer steps too (the loop holds them across the model's steps); not those of a model that
+    another optimizer steps alone."""
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
     model[2].weight = model[0].weight  # tied: one gradient, one state
     frozen = nn.Linear(4, 4).requires_grad_(False)
-    other = nn.Linear(8, 8)  # stepped by the same optimizer, not the model's
+    other = nn.Linear(8, 8)  # stepped by the same optimizer as the model: the loop's state too
+    apart = nn.Linear(32, 32)  # stepped by an optimizer of its own: not the model's loop's
     watch = OptimizerWatch().start()
     try:
         assert training_state(model, watch).total == 0
         optimizer = torch.optim.AdamW([*model.parameters(), *other.parameters()])
+        alone = torch.optim.AdamW(apart.parameters())
         model(torch.ones(2, 16)).sum().backward()
         other(torch.ones(1, 8)).sum().backward()
+        apart(torch.ones(1, 32)).sum().backward()
         params = list(model.parameters())
-        assert training_state(model, watch).gradients == _bytes(params)
+        assert training_state(model, watch).gradients == _bytes(params)  # the optimizer has not stepped: unseen
+        watch.adopt(optimizer)  # found holding the model's parameters (foreseen_optimizer_state)
+        loop = [*params, *other.parameters()]
+        assert training_state(model, watch).gradients == _bytes(loop)
         assert training_state(model, watch).optimizer == 0      # no step yet: no state
         optimizer.step()
+        alone.step()
         state = training_state(model, watch)
-        scalars = sum(optimizer.state[p]["step"].nelement() * 4 for p in params)
-        assert state.optimizer == 2 * _bytes(params) + scalars  # exp_avg, exp_avg_sq (and step counts)
+        scalars = sum(optimizer.state[p]["step"].nelement() * 4 for p in loop)
+        assert state.optimizer == 2 * _bytes(loop) + scalars  # exp_avg, exp_avg_sq (and step counts)
+        assert state.gradients == _bytes(loop)  # not apart's, though its optimizer stepped too
         assert "gradients" in state.describe() and "optimizer state" in state.describe()
         optimizer.zero_grad(set_to_none=True)
         assert training_state(model, watch).gradients == 0
@@ -108,7 +119,7 @@ def test_a_step_starting_with_state_the_plan_has_no_room_for_is_solved_again_fir
     state, and gradients stay bitwise."""
     (reference, _), (model, _), session, resolved, step = _twins(session_cleanup, monkeypatch)
     # an optimizer whose first step's state is not foreseen (a class outside STATE_PER_PARAMETER)
-    monkeypatch.setattr("acshim.planner.session.foreseen_optimizer_state", lambda model: 0)
+    monkeypatch.setattr("acshim.planner.session.foreseen_optimizer_state", lambda model, watch: 0)
     for index in range(3):
         step(index)
         if index == 0:  # planned: put the plan's prediction next to the line the state crosses, or not
@@ -129,17 +140,22 @@ def test_a_step_starting_with_state_the_plan_has_no_room_for_is_solved_again_fir
 
 def test_the_state_a_first_step_will_make_is_foreseen_per_optimizer_class() -> None:
     """``foreseen_optimizer_state``: the parameter-shaped tensors each torch optimizer's first step
-    makes for the model's trainable parameters that it holds without state yet; tied weights once;
-    nothing for another model's parameters, frozen ones, a stepped optimizer or an unknown class."""
+    makes for the trainable parameters that it holds without state yet, where it holds the model's:
+    a second model's it steps too (the loop holds that state as well), tied weights once; nothing for
+    a model another optimizer steps alone, frozen parameters, a stepped optimizer or an unknown class;
+    a watch adopts the optimizers found."""
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
     model[2].weight = model[0].weight
     model[3].requires_grad_(False)
     other = nn.Linear(8, 8)
     trainable = _bytes(p for p in model.parameters() if p.requires_grad)
     assert foreseen_optimizer_state(model) == 0  # no optimizer yet
+    apart = torch.optim.AdamW(nn.Linear(32, 32).parameters())  # another model's, alone: not the loop's
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] + list(other.parameters()))
-    assert foreseen_optimizer_state(model) == 2 * trainable
-    del adamw
+    watch = OptimizerWatch()
+    assert foreseen_optimizer_state(model, watch) == 2 * (trainable + _bytes(other.parameters()))
+    assert watch.optimizers() == [adamw]
+    del adamw, apart, watch
     amsgrad = torch.optim.Adam(model[0].parameters(), amsgrad=True)
     assert foreseen_optimizer_state(model) == 3 * _bytes(model[0].parameters())
     del amsgrad
