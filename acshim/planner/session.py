@@ -293,7 +293,7 @@ class PlanSession:
             self._baseline = self._held_at_start["cpu"]
             assert before is not None
             # acshim.plan's budget is above what the process held when it was called: the code and
-            # state its warm-up loaded there the first time (about 12 MiB on CPU: torch._dynamo,
+            # state its warm-up loaded there the first time (9 to 25 MiB measured on CPU: torch._dynamo,
             # acshim's extensions) are the process's from then on, and charged to the plan
             self._loaded = sum(max(0, self._held_at_start[key] - before.get(key, 0)) for key in ("cpu", "file"))
         else:
