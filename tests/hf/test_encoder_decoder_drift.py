@@ -59,10 +59,12 @@ def contiguous_sdpa_keys(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                     reason="transformers 4.x caches keys and values another way (no DynamicLayer.update "
                            "concatenation): the layout this test isolates is 5.x's")
 def test_plain_t5_with_cache_differs_only_by_the_key_value_layout(request: pytest.FixtureRequest) -> None:
-    with_cache, without_cache = _step(True), _step(False)
-    assert not all(torch.equal(with_cache[k], without_cache[k]) for k in with_cache)  # the drift is there
+    """Whatever drift this CPU's SDPA kernels show between the two layouts (about 1e-7 on the
+    machines this was found on; none on an AMX Xeon, 2026-11-29), it is the layout alone: a step
+    without the cache given contiguous keys and values is bitwise the step with it."""
+    with_cache = _step(True)
     request.getfixturevalue("contiguous_sdpa_keys")
-    assert_bitwise_equal(with_cache, _step(False))  # and is the layout alone
+    assert_bitwise_equal(with_cache, _step(False))
 
 
 def test_t5_non_reentrant_is_bitwise_against_a_plain_step_without_cache() -> None:

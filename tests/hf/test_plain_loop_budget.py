@@ -55,7 +55,8 @@ def test_plain_hf_loop_keeps_half_and_the_budget_0_3_names_for_the_whole_run_bit
                 planned["stderr"][-3000:]
             planned = _run(tmp_path, planned["named"])
         got = torch.load(planned["weights"])
-        assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got), budget
+        assert set(got) == set(reference) and all(torch.equal(got[k], reference[k]) for k in got), \
+            (budget, planned["stderr"][-3000:])
         assert planned["budget"] is not None and planned["peak"] <= planned["budget"] * 1.03, \
             (budget, planned["peak"] / planned["budget"], planned["stderr"][-2000:])
         assert planned["peak"] < plain["peak"], (budget, planned["peak"], plain["peak"])
