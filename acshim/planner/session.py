@@ -33,7 +33,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +44,6 @@ from .. import region as engine
 from ..options import RegionOptions
 from ..region import owning_module, run_region_now
 from ..region_dialect import ENGINE
-from ..selective import offload_tier
 from ..storage import no_offload
 from ..wrap import checkpointed_forward_of
 from .agree import agree_bytes, agree_measurement, agree_profile
@@ -64,6 +63,7 @@ from .choices import (
 )
 from .estimate import step_peak
 from .feedback import StepTimer
+from .ledger import ChargeLedger
 from .lockstep import LockstepPlanner
 from .picture import write_png as write_picture
 from .pipelines import PipelineStage, ScheduleHeld, UnplannedPipeline, pipeline_on_stack
@@ -98,7 +98,7 @@ from .profile import (
 )
 from .profiler import RegionProfiler, Verification, detached_inputs
 from .refusal import Charges, Refusal
-from .report import frontier_table
+from .report import frontier_table, plan_line, plan_outcome, plan_replacing
 from .routing import Mode
 from .script_loss import ScriptLossWindow
 from .sites import (
@@ -113,8 +113,9 @@ from .sites import (
 )
 from .snapshot import ModelSnapshot
 from .solver import BudgetTooSmall, fastest, minimum_peak, rounded_peak, solve, unit_of
+from .stage_share import StageShare
 from .steps import StepStart, device_key, held_now
-from .training_state import OptimizerWatch, TrainingState, foreseen_optimizer_state, training_state
+from .training_state import OptimizerWatch, foreseen_optimizer_state
 from .warmup import warm_up
 
 METHOD = ("measured on the script's first step under a guard on the process's memory: one forward counted what "
@@ -135,11 +136,6 @@ class PlanExit(BaseException):
         super().__init__(message)
         self.code, self.message = code, message
 
-
-MAX_STATE_RESOLVES = 2
-"""Times a run's plan is solved again for the gradients and optimizer state its steps came to hold
-(``_charge_training_state``): once for the gradients a first backward made, once for the state an
-optimizer's first step made later (gradient accumulation)."""
 
 FAKE_PEAK_SHARE = 0.9
 """Share of the fake step's peak (tensor storages, gradients excluded) taken as a lower bound of no
@@ -220,46 +216,26 @@ class PlanSession:
     pipeline: PipelineStage | None = None
     """This rank's pipeline stage (``pipelines``): planned alone, for one microbatch within the
     budget less what the schedule holds, divided by the microbatches it keeps alive at once."""
-    schedule_held: ScheduleHeld | None = None
-    """What this rank's pipeline schedule holds outside its stage module (``pipelines``)."""
+    _share: StageShare | None = None
+    """This rank's pipeline stage's budget, split between what its schedule holds outside the stage
+    module and the microbatches alive at once (``stage_share``)."""
     _script_window: ScriptLossWindow | None = None
     """Watches the script's own loss on the planning step (``script_loss``), until the next step."""
-    _script_part: int = 0
-    """Bytes the script's own loss and its backward need beyond the planning loss's, charged to
-    every plan solved after it was measured (``_charge_script_part``)."""
-    _script_measured: bool = False
-    """Whether ``_script_part`` was measured; until then it is ``script_loss_allowance``'s charge."""
-    _watch: OptimizerWatch | None = None
-    """Notes the optimizers that step while the script runs (``training_state``)."""
-    _state_at_solve: TrainingState | None = None
-    """The model's gradients and optimizer state when the plan in force was solved (the process
-    held them then, so the plan left room for them); a step that starts holding more than that
-    beyond the plan's room is solved again first (``_charge_training_state``)."""
-    _state_resolves: int = 0
-    _file_at_start: int | None = None
-    """File-backed pages resident when the first planned step started (``held_now``'s ``"file"``)."""
-    _paged_charged: int = 0
-    """Code paged in since then, as charged to the plan in force (``_paged_in``)."""
-    _foreseen: int = 0
-    """Optimizer state charged to the plan in force before it was made (``_foresee``)."""
+    _charged: ChargeLedger = field(default_factory=ChargeLedger)
+    """What the plan in force was charged for besides its verification's measurement, and what the
+    process held when it was solved (``ledger``): the script's own part, code paged in, optimizer
+    state foreseen, what ``acshim.plan``'s warm-up loaded; the optimizers that stepped."""
     _base_besides: int = 0
     """What a step holds besides its activations, as the first plan was profiled: what the process
     held above the step's start then, the code the step paged in, the optimizer state foreseen and the
     script's own loss as charged. No checkpointing's step holds them too, and ``VmHWM`` counts them,
     so they are part of the peak a fraction is of (``_fraction_in_bytes``), as they are of each plan's
     predicted whole step (``Plan.overhead``)."""
-    _loaded: int = 0
-    """What ``start``'s warm-up added to the process above what it held before (``acshim.plan``: its
-    budget is above what the process held when the call was made), charged to every plan
-    (``Charges.loaded``); 0 under ``acshim run``, which warms up before the script runs, and for a
-    model on a GPU (its budget counts the caching allocator's reserved bytes)."""
     _resident_at_start: int = 0
+    """``VmRSS`` when the baseline was read (a pipeline rank's measured peak is ``VmHWM`` above it)."""
     _position_key: Any = None
     """The microbatch a pipeline stage whose regions run outside one module call is in (SMP v1)."""
     _rank: int = 0
-    _rank_budget: int = 0
-    """A pipeline rank's whole budget in bytes (``_microbatch_share`` takes one microbatch's from it)."""
-    """``VmRSS`` when the baseline was read (a pipeline rank's measured peak is ``VmHWM`` above it)."""
 
     # ---------------------------------------------------------------------------------- lifetime
     @property
@@ -295,11 +271,11 @@ class PlanSession:
             # acshim.plan's budget is above what the process held when it was called: the code and
             # state its warm-up loaded there the first time (9 to 25 MiB measured on CPU: torch._dynamo,
             # acshim's extensions) are the process's from then on, and charged to the plan
-            self._loaded = sum(max(0, self._held_at_start[key] - before.get(key, 0)) for key in ("cpu", "file"))
+            self._charged.loaded = sum(max(0, self._held_at_start[key] - before.get(key, 0)) for key in ("cpu", "file"))
         else:
             self._start = StepStart(self._memory).start()
         if not self.api:  # acshim.plan ends before the script's steps
-            self._watch = OptimizerWatch().start()
+            self._charged.watch = OptimizerWatch().start()
         if self.memory == "process" and not host_allocator.installed():
             # acshim run: the run's own tensor allocator, caching once the plan runs. acshim.plan: from
             # the call on, kept where it returns a plan, so that what it measures and the steps after
@@ -326,9 +302,9 @@ class PlanSession:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        if self._charged.watch is not None:
+            self._charged.watch.stop()
+            self._charged.watch = None
         if self._timer is not None:
             self._timer.stop()
             self._timer = None
@@ -552,12 +528,12 @@ class PlanSession:
                 raise PlanExit(2, f"acshim plan: {self.pipeline.describe()}: each stage plans at its own {which} "
                                   "microbatch, and one stage ending there would leave the others waiting; run the "
                                   "script as acshim run --budget B (each stage's plan is logged)")
-            self.schedule_held = self.pipeline.held(
+            self._share = StageShare(self.pipeline, self.pipeline.held(
                 _stage_output_bytes(self, self.pipeline, found[1], found[2]) if self.pipeline.microbatch_key is None
-                else 0)
+                else 0))
             fraction = budget_fraction(self.budget)
             if fraction is None and self._budget_bytes is None:  # what the schedule holds is paid first
-                self._budget_bytes = self._microbatch_share(parse_budget(self.budget, 1))
+                self._budget_bytes = self._share.microbatch(parse_budget(self.budget, 1))
         sharded = sharded_by(found[0] if found is not None else None) if self.world > 1 and \
             self.pipeline is None else None
         if found is None:
@@ -588,7 +564,8 @@ class PlanSession:
         else:
             self._plan_on(root, root_args, root_kwargs, shapes)
             if self.pipeline is not None:  # what the stage's file is reused for (load_plan_file)
-                self.plan.asked, self.plan.rank_budget = str(self.budget), self._rank_budget  # type: ignore[union-attr]
+                self.plan.asked = str(self.budget)  # type: ignore[union-attr]
+                self.plan.rank_budget = self._share.rank_budget if self._share is not None else 0  # type: ignore[union-attr]
             if self.plan_file and (rank() == 0 or self.pipeline is not None):  # each stage saves its own
                 self.plan.save(self.plan_file)  # type: ignore[union-attr]
         self.mode, self.position = Mode.PLANNED, 0  # route() takes position 0 for the interrupted call
@@ -618,7 +595,7 @@ class PlanSession:
         plan, solved again with the part as measured where it differs from the allowance, runs from
         the next step (``_before_step``). Only where that part is watched (``_watches_script_loss``)
         and the profile is this run's."""
-        if not self._watches_script_loss() or self._script_measured or self._from_file or self.reuse is not None:
+        if not self._watches_script_loss() or self._charged.script_measured or self._from_file or self.reuse is not None:
             return None
         # the blocks as the least-memory plan runs them; the part outside them as the plan does (its
         # head and loss modes change what the script's loss holds, which this step measures for it)
@@ -662,7 +639,7 @@ class PlanSession:
         if device.type == "cuda" and (self._memory is None or self._memory.device.type != "cuda"):
             self._memory = ProcessMemory(device, enabled=self.memory == "process")
         if device.type != "cpu":
-            self._loaded = 0  # host memory: not what a GPU budget (reserved bytes) counts
+            self._charged.loaded = 0  # host memory: not what a GPU budget (reserved bytes) counts
         held = self._held_at_start or {}
         if self._memory is not None and device_key(self._memory.device) in held:
             self._baseline = held[device_key(self._memory.device)]
@@ -670,8 +647,8 @@ class PlanSession:
             self._baseline = _fresh_baseline(self._memory)  # the device's allocator started inside the step
         if not self._resident_at_start:
             self._resident_at_start = _status_bytes("VmRSS")
-        if self._file_at_start is None and self._memory is not None:
-            self._file_at_start = held.get("file", ProcessMemory("cpu").file_backed() if self._memory.available else 0)
+        if self._charged.file_start is None and self._memory is not None:
+            self._charged.file_start = held.get("file", ProcessMemory("cpu").file_backed() if self._memory.available else 0)
         self._rank = rank()
 
     def _plan_later(self, stage: PipelineStage) -> None:
@@ -797,7 +774,7 @@ class PlanSession:
         if self._baseline is None:
             self._baseline = _fresh_baseline(memory)
         baseline = self._baseline
-        self._foreseen = self._foresee(root)  # before the parameters are aliased: optimizers hold the real ones
+        self._charged.foreseen = self._foresee(root)  # before the parameters are aliased: optimizers hold the real ones
         try:  # profiling never reaches the real parameters, nor (replayed) another pipeline stage
             with _counters_paused(), parameters_aliased(root), _replaying(self.pipeline):
                 self.plan = self._solve(root, args, kwargs, memory, baseline)
@@ -815,7 +792,7 @@ class PlanSession:
             suggested = error.suggested if isinstance(error, (BudgetTooSmall, NoPlanMeasured)) else 0
             why = getattr(error, "why", "") if isinstance(error, (BudgetTooSmall, NoPlanMeasured)) else ""
             if suggested and self.pipeline is not None:  # the rank's budget: its schedule's part and each alive
-                held = self.schedule_held.total if self.schedule_held else 0
+                held = self._share.held.total if self._share is not None else 0
                 suggested = self.pipeline.in_flight * suggested + held
                 error = ValueError(f"{self.pipeline.describe()}: the schedule holds {format_bytes(held)} besides; "
                                    f"one microbatch: {error}")
@@ -834,7 +811,7 @@ class PlanSession:
         self._drop_sites_data()
         self._planned_shapes = largest_inputs(self._planned_shapes, shapes)
         self.plan.profile.inputs = shapes  # type: ignore[union-attr]
-        self._state_at_solve = replace(training_state(root, self._watch), foreseen=self._foreseen)
+        self._charged.solved(root, self._charged.paged)
 
     def _solve(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], memory: ProcessMemory,
                baseline: int) -> Plan:
@@ -884,13 +861,14 @@ class PlanSession:
                 # the script's own loss beyond the planning loss's (measured on the planning step): the
                 # verification runs the planning loss, so it is verified within the budget less it;
                 # and the code the step paged in, which the verification's reading leaves out
-                if not self._script_measured and self._watches_script_loss():
-                    self._script_part = profiler.script_loss or 0  # until the planning step measures it
-                paged, foreseen = self._paged_in(), self._foreseen
+                ledger = self._charged
+                if not ledger.script_measured and self._watches_script_loss():
+                    ledger.script_part = profiler.script_loss or 0  # until the planning step measures it
+                paged = self._paged_in()
                 if self._agreed():
-                    paged, foreseen = agree_bytes(paged, device_of(root)), agree_bytes(foreseen, device_of(root))
-                self._foreseen = foreseen
-                charges = Charges(self._script_part, paged, foreseen, self._loaded)
+                    paged, ledger.foreseen = agree_bytes(paged, device_of(root)), agree_bytes(ledger.foreseen,
+                                                                                              device_of(root))
+                charges = ledger.charges(paged)
                 least = least_budget(profile, overhead, profiler.needed_for if self.reuse is None else None,
                                      guarded_budget)
                 refusal = Refusal(profile, profiler, limit, charges, least, overhead, measure, self.retries,
@@ -908,7 +886,7 @@ class PlanSession:
                     refusal.none_measured(error)
                     raise
                 result.least_budget = least + reserve if least else least
-                self._paged_charged = paged
+                ledger.paged = paged
                 result.reference_peak += self._base_besides
                 if reserve:
                     result.budget = limit
@@ -925,10 +903,10 @@ class PlanSession:
     def _besides(self, root: nn.Module, profiler: RegionProfiler) -> int:
         """What the step holds besides its activations as it is profiled (``_base_besides``), the
         same on every rank that plans with others."""
-        script = self._script_part if self._script_measured else (
+        script = self._charged.script_part if self._charged.script_measured else (
             (profiler.script_loss or 0) if self._watches_script_loss() else 0)
         trim()  # not what the last measurement freed (a GPU's caching allocator keeps it reserved)
-        besides = profiler.used() + self._paged_in() + self._foreseen + script
+        besides = profiler.used() + self._paged_in() + self._charged.foreseen + script
         return agree_bytes(besides, device_of(root)) if self._agreed() else besides
 
     def _measures_for_refusals(self) -> bool:
@@ -938,22 +916,9 @@ class PlanSession:
         return self.reuse is None and not self._agreed() and self.pipeline is None
 
     def _stage_share(self, limit: int, fraction: float | None) -> int:
-        """A fractional budget on a pipeline stage: ``limit`` is that share of one microbatch's step
-        without checkpointing; the rank's budget is that share of the rank's whole step without it
-        (``in_flight`` such microbatches and what the schedule holds, ``schedule_held``), and one
-        microbatch's share is what is left of it once the schedule's part is paid."""
-        if self.pipeline is None or self.schedule_held is None or fraction is None:
-            return limit
-        return self._microbatch_share(self.pipeline.in_flight * limit + int(fraction * self.schedule_held.total))
-
-    def _microbatch_share(self, whole: int) -> int:
-        """One microbatch's bytes on a pipeline stage whose rank may use ``whole``: what is left once
-        the schedule's part is paid, less ``HEADROOM`` of the whole (room for what counting the
-        schedule's tensors misses: allocator slack, code paged in), shared by the microbatches alive."""
-        assert self.pipeline is not None and self.schedule_held is not None
-        self._rank_budget = whole
-        rest = int(whole * (1 - HEADROOM)) - self.schedule_held.total
-        return max(1, rest // self.pipeline.in_flight)
+        """A fractional budget's ``limit`` (that share of one microbatch's step without checkpointing)
+        as one microbatch's share of the rank's on a pipeline stage (``StageShare.of_fraction``)."""
+        return self._share.of_fraction(limit, fraction) if self._share is not None and fraction is not None else limit
 
     def _profile(self, root: nn.Module, profiler: RegionProfiler, fraction: float | None,
                  limit: int | None) -> Profile:
@@ -1048,25 +1013,16 @@ class PlanSession:
 
     @property
     def stage_budget(self) -> int | None:
-        """The bytes this rank may use above its first step's start: the plan's budget (one
-        microbatch's), times the microbatches alive at once on a pipeline stage, plus what its
-        schedule holds."""
+        """The bytes this rank may use above its first step's start: the plan's budget, or on a
+        pipeline stage the rank's (``StageShare.budget``)."""
         if self.plan is None:
             return None
-        if self.pipeline is None:
-            return self.plan.budget
-        return self._rank_budget or self.plan.budget * self.pipeline.in_flight
+        return self.plan.budget if self.pipeline is None else self._stage().budget(self.plan)
 
     @property
     def stage_predicted(self) -> int | None:
-        """A pipeline rank's predicted peak above its first step's start: what the schedule holds,
-        what the process held besides when the plan was solved (gradients, ...), and ``in_flight``
-        microbatches each at its predicted activations' peak (an upper bound: only one is at its
-        peak at a time)."""
-        if self.plan is None or self.pipeline is None:
-            return None
-        held = self.schedule_held.total if self.schedule_held else 0
-        return held + self.plan.overhead + self.pipeline.in_flight * self.plan.peak
+        """A pipeline rank's predicted peak above its first step's start (``StageShare.predicted``)."""
+        return None if self.plan is None or self.pipeline is None else self._stage().predicted(self.plan)
 
     def rank_summary(self) -> str | None:
         """A pipeline rank's line at the end of the run: its budget, predicted and measured peak
@@ -1075,12 +1031,12 @@ class PlanSession:
         if self.plan is None or self.pipeline is None:
             return None
         measured = max(0, _status_bytes("VmHWM") - self._resident_at_start) if self._resident_at_start else 0
-        held = self.schedule_held.total if self.schedule_held else 0
-        return (f"acshim: --budget {format_bytes(self.stage_budget or 0)} on rank {self._rank}, pipeline stage "
-                f"{self.pipeline.stage} of {self.pipeline.stages}: predicted peak {format_bytes(self.stage_predicted or 0)} "
-                f"({format_bytes(held)} schedule + {self.pipeline.in_flight} x {format_bytes(self.plan.peak)} "
-                f"activations + {format_bytes(self.plan.overhead)} held besides), measured "
-                f"{format_bytes(measured)} (VmHWM above the first step's start)")
+        return self._stage().ended(self.plan, self._rank, measured)
+
+    def _stage(self) -> StageShare:
+        """This pipeline rank's share (an SMP v1 stage that never planned: its schedule holds nothing known)."""
+        assert self.pipeline is not None
+        return self._share if self._share is not None else StageShare(self.pipeline, ScheduleHeld([]))
 
     def _drop_sites_data(self) -> None:
         for site in self.sites:
@@ -1096,8 +1052,8 @@ class PlanSession:
                 raise
             raise PlanExit(2, f"\nacshim run: --plan-file {self.plan_file}: {error}") from None
         self._budget_bytes = self.plan.budget
-        if self.pipeline is not None and self.plan.rank_budget:
-            self._rank_budget = self.plan.rank_budget
+        if self._share is not None and self.plan.rank_budget:
+            self._share.rank_budget = self.plan.rank_budget
         self._planned_shapes = self.plan.profile.inputs or shapes
         self.names = list(self.plan.blocks)
         self._from_file = True
@@ -1185,10 +1141,9 @@ class PlanSession:
         own = plan.profile.other(plan.outside)[1] if plan.outside in plan.profile.outside_choices() else 0
         resolution = max(unit_of(plan.profile), plan.budget // 100)  # what a measurement resolves
         extra = needed - own if needed - own > resolution else 0
-        charged, self._script_measured = self._script_part, True
-        if abs(extra - charged) <= resolution:
+        charged = self._charged.script_measured_as(extra, resolution)
+        if charged is None:
             return
-        self._script_part = extra
         self.reuse = plan.profile
         self._drop_plan(root)
         try:
@@ -1210,27 +1165,17 @@ class PlanSession:
         """A step that starts holding more gradients and optimizer state than the plan in force was
         solved with (``training_state``: counted from the tensors), by more than the room its
         prediction left under the budget, has the plan solved again first, with what the process
-        holds now; at most ``MAX_STATE_RESOLVES`` times a run. Single-process plans: ranks that plan
+        holds now; at most ``ledger.MAX_STATE_RESOLVES`` times a run. Single-process plans: ranks that plan
         together, pipeline stages and plan files keep theirs."""
-        plan, before = self.plan, self._state_at_solve
-        if (plan is None or before is None or self.api or self.world != 1 or self.pipeline is not None
-                or self.memory != "process" or self._state_resolves >= MAX_STATE_RESOLVES):
+        plan = self.plan
+        if plan is None or self.api or self.world != 1 or self.pipeline is not None or self.memory != "process":
             return
-        now = training_state(root, self._watch)
-        paged = max(0, self._paged_in() - self._paged_charged)
-        grown = now.total - before.total + paged
-        predicted = max(plan.peak + plan.overhead, plan.measured_process_peak or 0)
-        if grown <= max(unit_of(plan.profile), plan.budget // 100) or predicted + grown <= int(plan.budget * (1 - HEADROOM)):
-            return  # within what a measurement resolves, or within the room the plan left
-        self._state_resolves += 1
-        held = [f"holding {now.describe()} for the model"] if now.total else []
-        if paged:
-            held.append(f"with {format_bytes(paged)} more code paged in")
-        why = (f"this step started {' and '.join(held)}, {format_bytes(grown)} more than when the plan was solved "
-               f"(a first step makes them; predicted with them: {format_bytes(predicted + grown)})")
-        self.resolve(plan.profile, why, args, kwargs)
-        self._state_at_solve = now  # refused too: not tried again for what it could not fit
-        self._paged_charged = self._paged_in()
+        growth = self._charged.grown(root, plan, self._paged_in())
+        if growth is None:
+            return
+        self.resolve(plan.profile, growth.why(), args, kwargs)
+        # refused too: not tried again for what it could not fit
+        self._charged.state, self._charged.paged = growth.now, self._paged_in()
 
     def _foresee(self, root: nn.Module) -> int:
         """The optimizer state a first ``step()`` will make for ``root``'s parameters (charged to the
@@ -1238,15 +1183,15 @@ class PlanSession:
         pipeline stages."""
         if self.memory != "process" or self.pipeline is not None:
             return 0
-        return foreseen_optimizer_state(root, self._watch)
+        return foreseen_optimizer_state(root, self._charged.watch)
 
     def _guard_file_baseline(self) -> int | None:
         """What the guards count code paged in from (``Guard.file_baseline``), where it is charged."""
         memory = self._memory
         if (memory is None or not memory.available or memory.device.type != "cpu" or self.pipeline is not None
-                or self._file_at_start is None):
+                or self._charged.file_start is None):
             return None
-        return self._file_at_start
+        return self._charged.file_start
 
     def _paged_in(self) -> int:
         """File-backed pages (library code, mapped files) the process paged in since the first
@@ -1270,7 +1215,7 @@ class PlanSession:
         snapshot = ModelSnapshot(root)
         sessions = self._shared
         foreseen = self._foresee(root)
-        charges = Charges(self._script_part, self._paged_in(), foreseen, self._loaded)  # as _solve charges them
+        charges = Charges(self._charged.script_part, self._paged_in(), foreseen, self._charged.loaded)  # as _solve
         reserve = charges.reserve()
         try:
             with _counters_paused(), parameters_aliased(root):
@@ -1319,9 +1264,8 @@ class PlanSession:
             if found is not None:  # the same plan: its prediction now with what is held besides now
                 plan.overhead = found.overhead
         if found is not None:  # what the plan in force was solved with
-            self._foreseen = foreseen
-            self._state_at_solve = replace(training_state(root, self._watch), foreseen=foreseen)
-            self._paged_charged = charges.paged
+            self._charged.foreseen = foreseen
+            self._charged.solved(root, charges.paged)
         if rank() == 0 and not self.api:
             if changed:
                 outcome = f"now {self.summary(brief=True)}"
@@ -1338,51 +1282,15 @@ class PlanSession:
 
     # ---------------------------------------------------------------------------------- reporting
     def summary(self, brief: bool = False) -> str:
-        """The one log line: what the plan replaced."""
-        plan = self.plan
-        assert plan is not None
-        chosen = plan.describe()
-        measured = plan.measured_process_peak if plan.measured_process_peak is not None else plan.measured_peak
-        ratio = f" ({measured / plan.reference_peak:.2f}x no checkpointing)" \
-            if plan.reference_peak and measured is not None else ""
-        seen = "process" if plan.measured_process_peak is not None else "tracker"
-        # The whole step's prediction, comparable with the process's measured peak: the activations'
-        # peak and what the process held besides when the plan was solved (room the solver left for).
-        predicted = format_bytes(plan.peak + plan.overhead)
-        if plan.overhead:
-            charged = next((note.removeprefix("charged: ") for note in plan.notes if note.startswith("charged: ")), "")
-            predicted += (f" ({format_bytes(plan.peak)} activations + {format_bytes(plan.overhead)} "
-                          f"held besides{'; of which charged: ' + charged if charged else ''})")
-        tail = (f"predicted peak {predicted}, measured {format_bytes(measured or 0)} ({seen}){ratio}"
-                if measured is not None else f"predicted peak {predicted}")
-        if self._from_file:
-            tail += f"; reused from {self.plan_file} (not profiled again)"
+        """The one log line: what the plan replaced (``report.plan_line``)."""
+        assert self.plan is not None
+        reused = self.plan_file if self._from_file else None
         if brief:
-            return f"{chosen}; {tail}"
-        regions = len(self.sites) or len(plan.blocks)
-        as_asked = plan.choices.count(ASKED)
-        replaced = [site for index, site in enumerate(self.sites)
-                    if index >= len(plan.choices) or plan.choices[index] != ASKED]
-        what = _asked_by(replaced)
-        if as_asked:  # the regions the script's offload policy runs are no part of what the plan replaced
-            counts = ", ".join(f"{n} {c}" for c, n in _counts(plan.choices).items() if c != ASKED)
-            outside = "" if plan.outside == "keep" else f"{'; ' if counts else ''}outside the regions: {plan.outside}"
-            replacing = (f"replaced {regions - as_asked} region(s) {what}by the plan ({counts}{outside})"
-                         if regions > as_asked else f"replaced no region{f' ({outside})' if outside else ''}")
-            kept = [site for site in self.sites if site not in replaced]
-            tiers = sorted({offload_tier(site.asked_options.context_fn) for site in kept if site.asked_options})
-            replacing += (f"; {as_asked} region(s) {_asked_by(kept)}run as the script asked (its offload policy"
-                          f"{', to the ' + '/'.join(tiers) + ' tier' if tiers else ''}, on every step)")
-        else:
-            replacing = f"replaced {regions} region(s) {what}by the plan ({chosen})"
+            return plan_line(self.plan, self.sites, brief=True, reused_from=reused)
         if self.pipeline is not None:
-            stage = self.pipeline
-            held = self.schedule_held or ScheduleHeld([])
-            return (f"acshim: --budget {format_bytes(self.stage_budget or 0)} on rank {rank()}, {stage.describe()}: "
-                    f"the schedule holds {format_bytes(held.total)} ({held.describe()}): planned for one microbatch "
-                    f"within {format_bytes(plan.budget)} ((the budget less {HEADROOM:.0%} - {format_bytes(held.total)}) / "
-                    f"{stage.in_flight}): {replacing}; {tail}")
-        return f"acshim: --budget {format_bytes(plan.budget)}: {replacing}; {tail}"
+            return self._stage().planned(self.plan, rank(), f"{plan_replacing(self.plan, self.sites)}; "
+                                                            f"{plan_outcome(self.plan, reused)}")
+        return plan_line(self.plan, self.sites, reused_from=reused)
 
     def report(self) -> str:
         """``acshim plan``'s output: the plan table, with ``sweep`` the frontier and baselines."""
@@ -1394,19 +1302,6 @@ class PlanSession:
             if self.png:
                 lines.append(write_picture(plan, self.png))
         return "\n".join(lines)
-
-
-def _counts(choices: list[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for choice in choices:
-        counts[choice] = counts.get(choice, 0) + 1
-    return counts
-
-
-def _asked_by(sites: list[RegionSite]) -> str:
-    """``"(2 torch.utils.checkpoint: selective) "``: which API asked for these regions, and what."""
-    return f"({', '.join(f'{n} {k}' for k, n in _counts([f'{s.dialect}: {s.asked}' for s in sites]).items())}) " \
-        if sites else ""
 
 
 def _offload_rest_of_forward(root: nn.Module, scope: SharedOffload) -> None:

@@ -362,7 +362,7 @@ def test_a_re_solve_that_fits_no_plan_names_the_budget_with_the_scripts_loss_bac
     session_cleanup.append(session)
     train_step(model, _ids(), seed=5)
     plan = session.plan
-    session._script_part = 3 << 20
+    session._charged.script_part = 3 << 20
     least = 20 << 20
 
     def nothing_fits(profile, budget, measure, **kwargs):

@@ -187,7 +187,7 @@ def test_an_optimizer_made_before_planning_has_its_state_charged_to_the_first_pl
         step(index)
         if index == 0:
             plan = session.plan
-            assert session._state_at_solve.foreseen == state, (session._state_at_solve, state)
+            assert session._charged.state.foreseen == state, (session._charged.state, state)
             assert any("of optimizer state its first step() will make" in note for note in plan.notes), plan.notes
             assert plan.overhead >= state
     assert resolved == []
