@@ -207,7 +207,7 @@ def run_case(name: str, config: dict, kind: str = "net", checkpointing: str = "n
     expected_losses, expected_gradients, trained = reference(kind, replicas, manual)
     expected_state = trained.state_dict()
     trained.eval()
-    with torch.no_grad():  # the same microbatch split (a matmul's kernel may block 4 rows other than 8)
+    with torch.no_grad():  # the same microbatch split: one 8-row forward's last bits differed from two 4-row ones (AMX Xeon)
         expected_eval = torch.cat([trained(chunk) for chunk in data(9).chunk(MICROBATCHES)])
     result = {
         "losses_equal": losses == expected_losses,
