@@ -13,6 +13,7 @@ from . import (
     _source_layout,  # noqa: F401  (in a source checkout, maps backends/ and csrc/ before any import of them)
 )
 from . import exit_settle as _exit_settle
+from . import vml_dispatch as _vml_dispatch
 from .apply import apply_checkpointing, build_options, checkpointed_modules, remove_checkpointing
 from .blocks import find_blocks
 from .dropin import checkpoint
@@ -26,6 +27,7 @@ from .wrap import checkpoint_module, uncheckpoint_module
 
 __version__ = "0.1.0"
 
+_vml_dispatch.settle()  # before the script's first tensor op (see vml_dispatch)
 _exit_settle.register()  # ranks that end right after a collective exit cleanly (see exit_settle)
 
 # Names provided by subpackages that import heavier dependencies, loaded on first access.
