@@ -50,7 +50,8 @@ def agree_profile(profile: Profile, device: torch.device) -> Profile:
         for table in (block.held, block.transient, block.seconds, block.window, block.forward):
             fields += [(table, key) for key in sorted(table)]
         fields.append((block, "saved"))
-    fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds", "other_saved")]
+    fields += [(None, name) for name in ("other_held", "other_transient", "other_seconds", "other_saved",
+                                         "unchecked_floor")]
     fields += [(None, "other_back")] if profile.other_back is not None else []
     fields += [(profile.outside[choice], key) for choice in profile.outside for key in sorted(profile.outside[choice])]
     fields += [(profile.recompute_step, key) for key in sorted(profile.recompute_step)]

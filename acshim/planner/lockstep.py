@@ -20,8 +20,10 @@ script's own steps, in lock-step on every rank:
    as each other storage choice (``offload:TIER``, predicted from keep's numbers), and, after a
    recomputed step only, one runs one region of each kind ``selective`` and one ``selective-alt``
    (``SAMPLED``); with them every choice's held bytes per region are explicit (``explored``).
-   Where the model has an LM head ``acshim.head`` can run, a last step runs the head and loss in
-   chunks (``HEAD_STEP``), so the part outside the regions is planned too.
+   Where the model has an LM head ``acshim.head`` can run, every one of these steps runs the head
+   and loss in chunks (``HEAD_MODE``: the least the part outside the regions can hold), and a last
+   step, where its predicted peak fits, runs them kept (``KEEP_STEP``); where it does not, keeping
+   them is estimated from the logits (``KEPT_LOGITS``) and not offered.
 2. **Solve**: at the next step's start every rank agrees the numbers (each the largest any rank
    measured, ``agree.agree_profile``); rank 0 solves them with the exact DP (``_profile`` maps the
    phases onto the solver's peak formula) and broadcasts the plan, so no two ranks can run
@@ -33,10 +35,10 @@ script's own steps, in lock-step on every rank:
 Every choice gives the same gradients bitwise, so exploring on real steps changes nothing but their
 memory and time. Limits (docs/cli.md): choices are keep, recompute, selective-op and the storage
 tier's per region, keep and the chunked head for the part outside them (not the head's loss mode,
-nor that part offloaded); the first step keeps the part outside the regions (no checkpointing's
-peak is measured there), so a budget holds from the first step where that part fits it kept, else
-from the second (every later explored step runs the head in chunks, the second standing for
-``HEAD_STEP``); a budget below the least plan is refused after them, naming a budget that plans.
+nor that part offloaded); no checkpointing's peak (a fraction's reference) is
+predicted from the explored steps, with the head kept as ``KEEP_STEP`` measured it or, where that
+step was predicted over the budget, from below (``KEPT_LOGITS``); a budget below the least plan is
+refused after them, naming a budget that plans.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .. import region as engine
 from .. import structures
+from ..head import find_head
 from ..measure import storage_key
 from ..region import run_region_now
 from ..wrap import checkpointed_forward_of
@@ -114,8 +117,19 @@ HEAD_MODE = "head"
 ``head`` mode (the LM head and its cross-entropy in chunks of the sequence, the head recomputed in
 backward: the logits are not kept), where the model has a head it can run."""
 
-HEAD_STEP = "outside:head"
-"""The explored step that runs every region recomputed and the part outside them as ``HEAD_MODE``."""
+KEEP_STEP = "outside:keep"
+"""The explored step that runs every region as the counted steps did (``work``) and the part outside
+them kept, where the model has a head (every other explored step runs it as ``HEAD_MODE``)."""
+
+KEPT_LOGITS = (1, 4)
+"""Where ``KEEP_STEP`` has not run, what keeping the head and its loss holds beyond ``HEAD_MODE``,
+in logits-sized float32 tensors (the head's output as the loss upcasts it), at least and at most:
+at least the log-softmax cross-entropy saves for backward (both modes hold the logits themselves,
+and the chunked head's backward makes their whole gradient too); at most also the log-softmax's
+gradient, the logits' and a shifted copy some losses make. Measured on FSDP2 GPT-2 (vocabulary 8192,
+32 MiB of logits): keeping held 44 MiB (1.4 logits) more than the chunked head at its peak. The
+least estimates no checkpointing's peak (a fraction's reference, so never above what a user would
+measure); the most decides whether ``KEEP_STEP`` is predicted to fit."""
 
 PHASE_UNIT = 1 << 20
 """Phase peaks are rounded up to this: a few pages of noise between runs must not reorder plans
@@ -414,11 +428,15 @@ class LockstepPlanner:
         self.sampled_choices = sampled_choices(session)
         """The choices explored on a sample of the regions, on one step after the storage choices'."""
         self.head_modes = head_modes(root)
-        """The part outside the regions' choice besides keep (``HEAD_MODE``), explored on the last step."""
+        """The part outside the regions' choice besides keep (``HEAD_MODE``), which every explored
+        step but ``KEEP_STEP`` runs."""
         self._head_installed = False
-        self._outside_mode = "keep"
-        """How the explored steps run the part outside the regions: kept, unless the first step
-        showed it does not fit kept (``HEAD_MODE`` from then on, ``step_started``)."""
+        self._outside_mode = HEAD_MODE if self.head_modes else "keep"
+        """How the explored steps run the part outside the regions (``KEEP_STEP`` keeps it)."""
+        self.logits_bytes = 0
+        """The largest logits the head made on an explored step, as float32 bytes (``KEPT_LOGITS``)."""
+        head = find_head(root) if self.head_modes else None
+        self._head_hook = head.register_forward_hook(self._count_logits) if head is not None else None
         self.base = next((c for c in self.storage_choices if c.startswith("recompute+offload")), "recompute")
         """What the first (``EXPLORE_STEPS``) steps run every region as: the least memory a plan can
         have (the activations the regions are handed on the storage tier), else recompute."""
@@ -453,7 +471,12 @@ class LockstepPlanner:
         outer = outermost_module_on_stack() or root
         self._outer = outer.register_forward_pre_hook(self._step_starts, prepend=True)
         if self.measuring is not None:
+            self._run_outside(self._outside_mode)  # before the step's forward reaches the head
             self.measuring.start(root)
+
+    def _count_logits(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.exploring and isinstance(output, torch.Tensor) and torch.is_grad_enabled():
+            self.logits_bytes = max(self.logits_bytes, output.numel() * max(4, output.element_size()))
 
     def _step_starts(self, module: nn.Module, args: Any) -> None:
         # while steps are measured (a step with larger inputs, later, reads it at the model's start)
@@ -469,7 +492,7 @@ class LockstepPlanner:
         choice = self.step_choice
         if choice == SAMPLED_STEP:
             return self._explore_sampled(index, function, args, kwargs)
-        if choice == HEAD_STEP:
+        if choice == KEEP_STEP:
             options = choice_options(self.work).replace(observer=_RegionMarks(index, self.measuring))
             return run_region_now(function, args, kwargs, options)
         if choice not in ("recompute", self.base):
@@ -496,11 +519,11 @@ class LockstepPlanner:
     def _reset_steps(self) -> None:
         """The explored steps' order from the start: ``EXPLORE_STEPS`` as the ``base``, then, each
         where its predicted peak fits the budget (``_next_step``), recompute, the other storage
-        choices, the sampled step and the head's."""
+        choices, the sampled step and the one keeping the head (``KEEP_STEP``)."""
         self._order = [self.base] * EXPLORE_STEPS
         self._pending = ((["recompute"] if self.base != "recompute" else [])
                          + [choice for choice in self.storage_choices if choice != self.base]
-                         + ([SAMPLED_STEP] if self.sampled_choices else []) + ([HEAD_STEP] if self.head_modes else []))
+                         + ([SAMPLED_STEP] if self.sampled_choices else []) + ([KEEP_STEP] if self.head_modes else []))
         self.skipped = []
 
     @property
@@ -511,7 +534,7 @@ class LockstepPlanner:
     @property
     def step_choice(self) -> str:
         """What the step being explored runs (a choice for every region, ``SAMPLED_STEP`` or
-        ``HEAD_STEP``)."""
+        ``KEEP_STEP``)."""
         return self._order[self.explored] if self.explored < len(self._order) else "recompute"
 
     @property
@@ -525,8 +548,8 @@ class LockstepPlanner:
         predicted peak fits the budget is explored next; the others are skipped (``skipped``).
         Recompute and the storage choices are predicted from the steps so far (``_fits``); the
         sampled step runs after a recomputed one only, as many samples as fit (``_choose_samples``);
-        the head's step runs its regions as ``work`` (what the steps so far fit in) and holds less
-        than those steps outside them."""
+        the step keeping the head runs its regions as ``work`` and is predicted with keeping the head
+        estimated at its most (``KEPT_LOGITS``)."""
         while self._pending:
             step = self._pending.pop(0)
             if step == SAMPLED_STEP:
@@ -535,8 +558,8 @@ class LockstepPlanner:
                 else:
                     self.sampled_choices = []
                 fits = bool(self.sampled_choices)
-            elif step == HEAD_STEP:
-                fits = True
+            elif step == KEEP_STEP:
+                fits = self._fits(self.work, outside="keep")
             else:
                 fits = self._fits(step)
             if fits:
@@ -590,11 +613,12 @@ class LockstepPlanner:
         self._samples = chosen
         self.sampled_choices = self.sampled_choices[:len(set(chosen.values()))]
 
-    def _provisional(self, estimated: str | None = None) -> Profile:
+    def _provisional(self, estimated: str | None = None, most: bool = False) -> Profile:
         """The profile the steps explored so far give (this rank's numbers; no times), with
         ``estimated`` (an ``offload`` choice not explored yet) estimated from keep's: nothing held
         but its window, the size of the largest region's saved tensors, and keep's transient plus
-        that window and the copies the tier lets be in flight (``SharedOffload.IN_FLIGHT``)."""
+        that window and the copies the tier lets be in flight (``SharedOffload.IN_FLIGHT``); the
+        part outside the regions as ``_with_outside`` gives it (``most``: kept, at its most)."""
         count = 1 + max(self.keys, default=-1)
         names = [str(index) for index in range(count)]
         explored = [choice for choice in self.storage_choices if choice in self.runs]
@@ -608,21 +632,26 @@ class LockstepPlanner:
                 block.held[estimated], block.window[estimated] = HELD_UNIT, window
                 block.transient[estimated] = block.transient["keep"] + window + SharedOffload.IN_FLIGHT
             choices.append(estimated)
-        heads = ({HEAD_MODE: self._head_entry(count, peak, other_held, explicit=bool(explored))}
-                 if HEAD_STEP in self.runs else {})
-        return Profile(blocks=blocks, choices=choices, other_held=other_held, other_transient=outside,
-                       other_seconds=0.0, signature="", prefetch=self.session.prefetch, outside=heads)
+        profile = Profile(blocks=blocks, choices=choices, other_held=other_held, other_transient=outside,
+                          other_seconds=0.0, signature="", prefetch=self.session.prefetch)
+        return self._with_outside(profile, peak, explicit=bool(explored), most=most)
 
     def _budget(self, profile: Profile) -> int:
         """The budget in bytes (a fraction taken of no checkpointing's peak as ``profile``, agreed
         across ranks, predicts it)."""
         return parse_budget(self.session.planned_budget, agree_bytes(reference(profile)[0], self.device))
 
-    def _fits(self, choice: str) -> bool:
-        """Whether a step running every region as ``choice`` is predicted within the budget's
-        accepted share on every rank (``_provisional``; agreed, so every rank decides alike)."""
-        profile = self._provisional(None if choice in self.runs or choice == "recompute" else choice)
-        predicted = agree_bytes(rounded_peak(profile, [choice] * len(profile.blocks), self._outside_mode), self.device)
+    def _fits(self, choice: str, outside: str | None = None) -> bool:
+        """Whether a step running every region as ``choice`` and the part outside them as ``outside``
+        (default: as the explored steps run it) is predicted within the budget's accepted share on
+        every rank (``_provisional``, keeping the head at its most where no step kept it; agreed, so
+        every rank decides alike)."""
+        mode = outside or self._outside_mode
+        estimated = None if choice in self.runs or choice == "recompute" else choice
+        profile = self._provisional(estimated)
+        predicting = (self._provisional(estimated, most=True)
+                      if mode == "keep" and self.head_modes and KEEP_STEP not in self.runs else profile)
+        predicted = agree_bytes(rounded_peak(predicting, [choice] * len(profile.blocks), mode), self.device)
         return predicted <= self._budget(profile) * (1 - HEADROOM)
 
     def _sampled_peak(self, samples: dict[int, str]) -> int:
@@ -675,29 +704,19 @@ class LockstepPlanner:
             self.runs.setdefault(choice, ChoiceSteps()).add(measured.phases, measured.held_after, measured.start_held,
                                                            measured.seconds)
             self.run_peaks[choice] = max(self.run_peaks.get(choice, 0), peak)
-            if self._head_installed and choice == self.base and HEAD_STEP not in self.runs:  # the head's step too
-                self.runs[HEAD_STEP] = ChoiceSteps()
-                self.runs[HEAD_STEP].add(measured.phases, measured.held_after, measured.start_held, measured.seconds)
         self.measuring = None
         self._scope = None
         self.peaks.append(peak)
         session = self.session
         if self.exploring:
-            self._run_outside("keep")  # after the head's step
             self.explored += 1
-            if self.explored == 1 and HEAD_STEP in self._pending and not self._fits(self.base):
-                # the first step, the least memory but with the head kept, was over: the part outside
-                # the regions alone does not fit kept, so every later step runs the head in chunks,
-                # the next one standing for the head's step as well
-                self._outside_mode = HEAD_MODE
-                self._pending.remove(HEAD_STEP)
             if self.explored >= len(self._order):
                 self._next_step()
             if self.explored < len(self._order):
-                if self.step_choice == HEAD_STEP or self._outside_mode == HEAD_MODE:
-                    self._run_outside(HEAD_MODE)
+                self._run_outside("keep" if self.step_choice == KEEP_STEP else self._outside_mode)
                 self._measure_next_step()
                 return None
+            self._run_outside("keep")  # the plan's own part outside is the session's
             self.exploring = False
             self.profile = self._profile(self.run_peaks[self.work])
             plan = self._solve_on_rank0(session.planned_budget, overhead=0)
@@ -735,8 +754,8 @@ class LockstepPlanner:
         self.runs, self.run_peaks, self.sampled_at, self.sampled_saved = {}, {}, {}, {}
         self.sampled_choices = sampled_choices(self.session)
         self._reset_steps()
-        self._outside_mode = "keep"
-        self._run_outside("keep")
+        self.logits_bytes = 0
+        self._run_outside(self._outside_mode)
         self.exploring, self.explored, self.verifications = True, 0, 0
         self._measure_next_step()
 
@@ -752,6 +771,9 @@ class LockstepPlanner:
     def stop(self) -> None:
         """Stop measuring and watching the steps (the session ends)."""
         self._outer.remove()
+        if self._head_hook is not None:
+            self._head_hook.remove()
+            self._head_hook = None
         self._drop_measurement()
         self._run_outside("keep")
 
@@ -791,13 +813,11 @@ class LockstepPlanner:
             blocks, other_held, outside = self._blocks_explored(names, forwards, peak, explored, sampled)
         else:
             blocks, other_held, outside = self._recomputed_blocks(names, forwards, peak)
-        heads = {HEAD_MODE: self._head_entry(len(names), peak, other_held, explicit=bool(explored or sampled))
-                 } if HEAD_STEP in self.runs else {}
         owners = [(n, s.owner if s.owner is not None else self.root) for n, s in zip(names, session.sites, strict=True)]
         method = METHOD
         if self.base != "recompute":
             method = method.replace("every region recomputed", f"every region {self.base} (the least memory)")
-        later = [choice for choice in self._order[EXPLORE_STEPS:] if choice not in (SAMPLED_STEP, HEAD_STEP)]
+        later = [choice for choice in self._order[EXPLORE_STEPS:] if choice not in (SAMPLED_STEP, KEEP_STEP)]
         if later:
             method = method.replace("the plan's first step", f"then one step each ran every region "
                                                              f"{' and '.join(later)}; the plan's first step")
@@ -809,16 +829,21 @@ class LockstepPlanner:
         if sampled:
             method = method.replace("the plan's first step", f"then one step ran one region of each kind "
                                                              f"{' and one '.join(sampled)}; the plan's first step")
-        if heads:
-            method = method.replace("the plan's first step", "then one step ran the LM head and loss in chunks "
-                                                             "(acshim.head, head mode); the plan's first step")
+        if self.head_modes:
+            kept = ("then one step kept them" if KEEP_STEP in self.runs else
+                    f"keeping them was predicted over the budget and not run: not offered, and no checkpointing's "
+                    f"peak estimated with them holding {KEPT_LOGITS[0]} logits-sized tensors more "
+                    f"({format_bytes(KEPT_LOGITS[0] * self.logits_bytes)})")
+            method = method.replace("the plan's first step", "every step ran the LM head and loss in chunks "
+                                                             f"(acshim.head, head mode), {kept}; the plan's first step")
         # rank 0's: FSDP1's flat-parameter shards give each rank different parameter shapes
         signature: list[Any] = [model_signature(self.root, owners)]
         dist.broadcast_object_list(signature, src=0)
         profile = Profile(blocks=blocks, choices=[*CHOICES, *sampled, *explored], other_held=other_held,
                           other_transient=outside, other_seconds=0.0, signature=signature[0],
                           prefetch=session.prefetch, method=method,
-                          recompute_step={"saved": sum(self.saved.values()), "peak": peak}, outside=heads)
+                          recompute_step={"saved": sum(self.saved.values()), "peak": peak})
+        profile = self._with_outside(profile, peak, explicit=bool(explored or sampled))
         agreed = agree_profile(profile, self.device)
         agreed.method += f"; agreed across {dist.get_world_size()} ranks (each number the largest any rank measured)"
         return agreed
@@ -847,21 +872,35 @@ class LockstepPlanner:
         outside = max(phases.get("forward", peak), phases.get("head", peak), phases.get("stem", 0))
         return blocks, 0, outside
 
-    def _head_entry(self, count: int, peak: int, other_held: int, explicit: bool) -> dict[str, float]:
-        """The part outside the regions run as ``HEAD_MODE``, from its step (every region recomputed),
-        as the profile's ``outside`` entry: held as kept (what the stem leaves, the same either way),
-        its transient as that step measured it (with the regions' held bytes explicit: beyond them,
-        ``ChoiceSteps.outside``; else every phase outside the regions, as ``_recomputed_blocks``
-        counts keep's), and its time beyond keep's (the forward after the regions, the loss, the
-        head's backward: never less than nothing, as a faster measurement is noise)."""
-        run, recomputed = self.runs[HEAD_STEP], self.runs[self.work]  # its regions ran as work
-        if explicit:
-            transient = rounded(run.outside(count, run.held(count), peak), PHASE_UNIT)
-        else:
-            transient = _rounded(max(run.phases.get("forward", peak), run.phases.get("head", peak),
-                                     run.phases.get("stem", 0)))
-        spent = [sum(steps.seconds.get(phase, 0.0) for phase in ("forward", "head")) for steps in (run, recomputed)]
-        return {"held": other_held, "transient": transient, "seconds": max(0.0, spent[0] - spent[1])}
+    def _with_outside(self, profile: Profile, peak: int, explicit: bool, most: bool = False) -> Profile:
+        """``profile`` (its part outside the regions as the explored steps ran it: ``other_transient``)
+        with that part's choices. Without a head, it is kept as measured. With one, those steps ran it
+        as ``HEAD_MODE``: that is the profile's ``outside`` entry (held: what the stem leaves, the same
+        either way); kept, it is what ``KEEP_STEP`` measured (with the regions' held bytes explicit:
+        beyond them, ``ChoiceSteps.outside``; else every phase outside the regions), the head's time
+        beyond it what the two took after the regions' forward (never less than nothing). Where that
+        step did not run, keeping is not offered (``INFEASIBLE``) and no checkpointing's peak is
+        estimated with it holding ``KEPT_LOGITS``' least beyond the head's (``unchecked_floor``);
+        ``most``: offered at ``KEPT_LOGITS``' most (to predict that step)."""
+        if not self.head_modes:
+            return profile
+        count, chunked = len(profile.blocks), profile.other_transient
+        heads = {HEAD_MODE: {"held": profile.other_held, "transient": chunked, "seconds": 0.0}}
+        kept = self.runs.get(KEEP_STEP)
+        if kept is not None:
+            top = self.run_peaks.get(KEEP_STEP, peak)
+            keep = (rounded(kept.outside(count, kept.held(count), top), PHASE_UNIT) if explicit
+                    else _rounded(max(kept.phases.get("forward", top), kept.phases.get("head", top),
+                                      kept.phases.get("stem", 0))))
+            spent = [sum(steps.seconds.get(phase, 0.0) for phase in ("forward", "head"))
+                     for steps in (self.runs[self.work], kept)]
+            heads[HEAD_MODE]["seconds"] = max(0.0, spent[0] - spent[1])
+            return replace(profile, other_transient=keep, outside=heads)
+        least, largest = (chunked + rounded(copies * self.logits_bytes, PHASE_UNIT) for copies in KEPT_LOGITS)
+        estimated = replace(profile, other_transient=largest if most else least, outside=heads)
+        if most:
+            return estimated
+        return replace(estimated, other_held=INFEASIBLE, unchecked_floor=reference(estimated)[0])
 
     def _sampled_offered(self, count: int) -> list[str]:
         """The ``SAMPLED`` choices every kind of region was run as, on every rank (a collective:

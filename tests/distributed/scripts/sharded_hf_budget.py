@@ -4,7 +4,8 @@ config (random weights, a large vocabulary, so the logits dominate), ``fully_sha
 on the root, ``gradient_checkpointing_enable()`` (non-reentrant) and ``labels`` passed for the loss:
 the same steps (dropout on, ``R`` sequences of ``SEQUENCE`` tokens each) without checkpointing and
 then with it. Every rank prints ``RESULT {json}`` as ``sharded_budget.py`` does, with the plan's
-part outside the blocks (``outside``)."""
+part outside the blocks (``outside``), its choices offered (``offered``) and how it was
+measured (``method``)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,12 @@ def train(checkpointed: bool, rows: list[int], peaks: list[int]) -> list[torch.T
 
 
 def main() -> None:
+    global VOCAB
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="8,8,8,8,8,8,8,8")
+    parser.add_argument("--vocab", type=int, default=8192)
     args = parser.parse_args()
+    VOCAB = args.vocab
     dist.init_process_group("gloo")
     rows = [int(count) for count in args.rows.split(",")]
     import acshim
@@ -76,7 +80,7 @@ def main() -> None:
         session = sessions[0]
         plan = session.plan
         result.update(choices=plan.choices, outside=plan.outside, budget=plan.budget,
-                      offered=["keep", *plan.profile.outside], predicted=plan.peak,
+                      offered=plan.profile.outside_choices(), method=plan.profile.method, predicted=plan.peak,
                       measured=session._lockstep.peaks if session._lockstep else None)
     report(result)
 
