@@ -192,7 +192,8 @@ def test_agreed_profile_takes_every_ranks_largest_number_and_refuses_other_regio
         calls.append(len(tensor))
         if len(calls) == 1:
             return tensor.clone()
-        mine = torch.tensor([100 * 2, 10, 5, 50, 0.02, 0.02, 0, 7, 18, 1.0, 0, 6.0], dtype=torch.float64)
+        # ... other_saved, unchecked_floor (no checkpointing's least peak: its larger is kept), recompute_step
+        mine = torch.tensor([100 * 2, 10, 5, 50, 0.02, 0.02, 0, 7, 18, 1.0, 0, 40, 6.0], dtype=torch.float64)
         return mine
 
     other["numbers"] = numbers_of_slower
@@ -202,6 +203,7 @@ def test_agreed_profile_takes_every_ranks_largest_number_and_refuses_other_regio
     assert block.seconds == pytest.approx(slower.blocks[0].seconds)
     assert isinstance(block.held["keep"], int) and isinstance(agreed.other_held, int)
     assert (agreed.other_transient, agreed.other_seconds, agreed.recompute_step) == (18, 1.0, {"peak": 6.0})
+    assert agreed.unchecked_floor == 40 and isinstance(agreed.unchecked_floor, int)
     from acshim.planner.profiler import Verification
 
     other["numbers"] = torch.tensor([300.0, 200.0, 400.0, 1.0, 50.0, 2.0], dtype=torch.float64)
