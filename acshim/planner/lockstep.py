@@ -549,7 +549,7 @@ class LockstepPlanner:
         Recompute and the storage choices are predicted from the steps so far (``_fits``); the
         sampled step runs after a recomputed one only, as many samples as fit (``_choose_samples``);
         the step keeping the head runs its regions as ``work`` and is predicted with keeping the head
-        estimated at its most (``KEPT_LOGITS``)."""
+        estimated at its most (``KEPT_LOGITS``), never where the head's logits were not seen."""
         while self._pending:
             step = self._pending.pop(0)
             if step == SAMPLED_STEP:
@@ -558,8 +558,8 @@ class LockstepPlanner:
                 else:
                     self.sampled_choices = []
                 fits = bool(self.sampled_choices)
-            elif step == KEEP_STEP:
-                fits = self._fits(self.work, outside="keep")
+            elif step == KEEP_STEP:  # unbounded where the logits went unseen (a fused head, no nn.Linear)
+                fits = self.logits_bytes > 0 and self._fits(self.work, outside="keep")
             else:
                 fits = self._fits(step)
             if fits:
