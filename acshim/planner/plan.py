@@ -21,6 +21,7 @@ from .choices import (
     offload_scopes,
     split_outside,
 )
+from .probe import probe_offload
 from .profile import INFEASIBLE, Profile, feasible, model_signature
 from .solver import BudgetTooSmall, Solution, minimum_peak, rounded_peak, solve, unit_of
 
@@ -273,7 +274,8 @@ def least_budget(profile: Profile, overhead: int = 0, measured: Callable[[list[s
 
 
 def solve_within(profile: Profile, budget: int | float | str, measure: Callable[[Plan], Any] | None, *,
-                 retries: int = 6, overhead: int = 0, skip: tuple[list[str], str] | None = None) -> Plan:
+                 retries: int = 6, overhead: int = 0, skip: tuple[list[str], str] | None = None,
+                 probe: bool = False) -> Plan:
     """The fastest plan of ``profile`` under ``budget``; with ``measure`` (a candidate plan -> a
     ``profiler.Verification``) a plan measured over budget, by the process where it can be read,
     is re-solved under a tighter target, and never returned over budget. ``overhead``: what the
@@ -283,9 +285,11 @@ def solve_within(profile: Profile, budget: int | float | str, measure: Callable[
     among the choices, the choices that offload nothing are solved once more: copies still in
     flight to a slow tier (a loaded machine) can keep an offloading plan over budget however it is
     tightened, while recompute's memory does not vary. ``skip``: a plan already verified (re-solving
-    at run time): returned unverified if solved again."""
+    at run time): returned unverified if solved again. ``probe`` (with ``measure``): the verified
+    plan is compared with the plan that free copies would give, on one measured step, and the
+    faster taken (``probe.probe_offload``)."""
     try:
-        return _solve_within(profile, budget, measure, retries, overhead, skip)
+        found = _solve_within(profile, budget, measure, retries, overhead, skip)
     except BudgetTooSmall:
         raise
     except ValueError as error:
@@ -305,6 +309,10 @@ def solve_within(profile: Profile, budget: int | float | str, measure: Callable[
         result.notes.append(f"offloading plans stayed over budget when measured ({error}); solved again without "
                             "offload (copies in flight to a slow tier add to the peak on a loaded machine)")
         return result
+    if not probe or measure is None:
+        return found
+    return probe_offload(found, found.budget, int(found.budget * (1 - HEADROOM)), measure,
+                         lambda free: _solve_within(free, budget, None, retries, overhead, None))
 
 
 def _solve_within(profile: Profile, budget: int | float | str, measure: Callable[[Plan], Any] | None,

@@ -45,6 +45,7 @@ import functools
 import math
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -282,6 +283,9 @@ class Guard(TorchDispatchMode):
         """The largest rise of the process's memory across one operator seen so far."""
         self._file_backed: int | None = None
         """File-backed bytes at the last sample (``current_limit``)."""
+        self.own_seconds = 0.0
+        """Time spent in this guard's checks and samples (a step's wall time less it is what the step
+        takes unguarded: a plan with more operators pays more of it)."""
         BackwardDrain.prepare()  # before the graphs of the measurements this guard may stop
 
     @classmethod
@@ -324,6 +328,7 @@ class Guard(TorchDispatchMode):
         kwargs = kwargs or {}
         if _is_view(func):  # allocates nothing: the next operator's sample sees what other threads did
             return func(*args, **kwargs)
+        entered = time.perf_counter()
         limit = self.current_limit()
         if limit is not None and (self.last + max(self.largest_step, 2 * _largest_input(args, kwargs)) > limit
                                   or _may_grow(func)):
@@ -335,8 +340,11 @@ class Guard(TorchDispatchMode):
                 if after > limit:
                     raise OverBudget(after, limit, self.what, str(func), size)
         before = self.last
+        started = time.perf_counter()
         out = func(*args, **kwargs)
+        finished = time.perf_counter()
         self.largest_step = max(self.largest_step, self.sample() - before)
+        self.own_seconds += (started - entered) + (time.perf_counter() - finished)
         return out
 
 

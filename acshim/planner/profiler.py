@@ -570,7 +570,7 @@ class RegionProfiler:
         self.root.zero_grad(set_to_none=True)
         tracked = not self.memory.available
         tracker: Any = LiveBytes(set(self.excluded), timed=True) if tracked else _ProcessMarks(self.guard)
-        stopped = False
+        stopped, guarding = False, self.guard.own_seconds
         with session.routing(Mode.MEASURE, candidate=choices, schedules=schedules):
             session.run_outside(self.root, outside, schedules)
             try:
@@ -594,8 +594,9 @@ class RegionProfiler:
             self._settle(schedules)
             return Verification(INFEASIBLE, INFEASIBLE, process_peak, float("inf"), stopped=True, live_at_stop=live)
         self.root.zero_grad(set_to_none=True)
-        if not tracked:
-            return Verification(tracker.marks["forward"], process_peak or 0, process_peak, watch.wall)
+        if not tracked:  # the guard's own time left out: plans with more operators pay more of it
+            unguarded = max(0.0, watch.wall - (self.guard.own_seconds - guarding))
+            return Verification(tracker.marks["forward"], process_peak or 0, process_peak, unguarded)
         series = tracker.series(grad_keys(self.root))
         tracker.release()
         run = RunTime(watch.wall, tracker.own_seconds, tracker.durations, watch.other_cpu)

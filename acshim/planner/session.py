@@ -877,8 +877,10 @@ class PlanSession:
                 try:
                     if counted_over:
                         raise self._count_refusal  # type: ignore[misc]
+                    # ranks that solve together probe nothing: each would measure its own step
                     result = solve_within(profile, max(1, limit - reserve) if reserve else limit,
-                                          measure if self.verify else None, retries=self.retries, overhead=overhead)
+                                          measure if self.verify else None, retries=self.retries, overhead=overhead,
+                                          probe=not self._agreed())
                 except BudgetTooSmall as error:
                     refusal.too_small(error, counted_over)
                     raise
