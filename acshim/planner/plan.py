@@ -287,9 +287,16 @@ def solve_within(profile: Profile, budget: int | float | str, measure: Callable[
     tightened, while recompute's memory does not vary. ``skip``: a plan already verified (re-solving
     at run time): returned unverified if solved again. ``probe`` (with ``measure``): the verified
     plan is compared with the plan that free copies would give, on one measured step, and the
-    faster taken (``probe.probe_offload``)."""
+    faster taken (``probe.probe_offload``), where the first plan solved was the one verified (after
+    re-solves the predictions ran low, and a plan solved at the first target may well be over too)."""
+    verified: list[Plan] = []
+
+    def counted(plan: Plan) -> Any:
+        verified.append(plan)
+        return measure(plan)  # type: ignore[misc]
+
     try:
-        found = _solve_within(profile, budget, measure, retries, overhead, skip)
+        found = _solve_within(profile, budget, counted if measure is not None else None, retries, overhead, skip)
     except BudgetTooSmall:
         raise
     except ValueError as error:
@@ -309,7 +316,7 @@ def solve_within(profile: Profile, budget: int | float | str, measure: Callable[
         result.notes.append(f"offloading plans stayed over budget when measured ({error}); solved again without "
                             "offload (copies in flight to a slow tier add to the peak on a loaded machine)")
         return result
-    if not probe or measure is None:
+    if not probe or measure is None or len(verified) != 1:
         return found
     return probe_offload(found, found.budget, int(found.budget * (1 - HEADROOM)), measure,
                          lambda free: _solve_within(free, budget, None, retries, overhead, None))

@@ -10,7 +10,9 @@ same step with every block on disk ran at 1.02x and at 1.48x of no checkpointing
 keeping it both times. No price set from a block alone fits both, and a plan that never offloads
 never learns that offloading would have been faster (``feedback`` times only what a plan runs).
 
-So the verified plan is compared with a measured alternative: the profile is solved again with each
+So the verified plan (where it was the first solved: after re-solves the predictions ran low, and a
+plan solved at the first target may well be over too) is compared with a measured alternative: the
+profile is solved again with each
 offload choice priced as its computing counterpart (``offload`` as ``keep``, ``recompute+offload``
 as ``recompute``: the least it can cost), and where that plan offloads and is predicted at least
 ``PROBE_GAIN`` faster than the verified one, it is verified too (one more step, within the same
@@ -117,9 +119,14 @@ def probe_offload(found: Plan, budget_bytes: int, accept: int, measure: Callable
         return found
     if candidate.seconds > found.seconds * (1 - PROBE_GAIN):
         return found
-    verified = measure(candidate)
-    seen = verified.process_peak if verified.process_peak is not None else verified.peak
     what = f"{sum(is_offload(c) or '+offload' in c for c in candidate.choices)} blocks offloaded"
+    try:
+        verified = measure(candidate)
+    except OSError as error:  # the tier failed a copy (acshim.storage.OffloadIOError): the plan found needs none
+        found.notes.append(f"probed the plan that free copies give ({what}): its copies failed ({error}); "
+                           "kept this one")
+        return found
+    seen = verified.process_peak if verified.process_peak is not None else verified.peak
     if verified.stopped or seen > accept:
         found.notes.append(f"probed the plan that free copies give ({what}): over the budget when measured "
                            f"({'stopped' if verified.stopped else format_bytes(seen)}); kept this one")

@@ -140,3 +140,36 @@ def test_a_probe_measured_over_the_budget_keeps_the_plan_solved_first() -> None:
     plan = solve_within(profile, BUDGET, steps, probe=True)
     assert len(steps.measured) == 2 and not any("offload" in c for c in plan.choices)
     assert any("over the budget when measured" in note for note in plan.notes), plan.notes
+
+
+def test_a_probe_whose_copies_fail_keeps_the_plan_solved_first() -> None:
+    """A storage tier that fails the probe's copies (a full disk) does not end planning: the plan
+    solved first needs no copies, and its notes say why nothing else was taken."""
+    from acshim.storage.errors import OffloadIOError
+
+    class FailingCopies(Steps):
+        def __call__(self, plan) -> Verification:
+            if "offload:disk" in plan.choices:
+                raise OffloadIOError("writing 31.5 MiB to disk failed: No space left on device")
+            return super().__call__(plan)
+
+    plan = solve_within(gpt2_like(0.40), BUDGET, FailingCopies(offload_true=KEEP), probe=True)
+    assert not any("offload" in c for c in plan.choices)
+    assert any("its copies failed" in note and "No space left" in note for note in plan.notes), plan.notes
+
+
+def test_no_probe_after_a_plan_measured_over_the_budget() -> None:
+    """Where the first plan solved measured over the budget (its predictions ran low), the plan found
+    after re-solving stands unprobed: a plan solved at the first target would likely be over too."""
+
+    class FirstOver(Steps):
+        def __call__(self, plan) -> Verification:
+            found = super().__call__(plan)
+            if len(self.measured) == 1:
+                found.process_peak = BUDGET
+            return found
+
+    steps = FirstOver(offload_true=KEEP)
+    plan = solve_within(gpt2_like(0.40), BUDGET, steps, probe=True)
+    assert len(steps.measured) == 2 and not any("offload" in c for c in plan.choices), steps.measured
+    assert any("re-solved under" in note for note in plan.notes), plan.notes
