@@ -318,7 +318,7 @@ def solve_within(profile: Profile, budget: int | float | str, measure: Callable[
         return result
     if not probe or measure is None or len(verified) != 1:
         return found
-    return probe_offload(found, found.budget, int(found.budget * (1 - HEADROOM)), measure,
+    return probe_offload(found, int(found.budget * (1 - HEADROOM)), measure,
                          lambda free: _solve_within(free, budget, None, retries, overhead, None))
 
 

@@ -103,7 +103,7 @@ def measured_offload(profile: Profile, plan: Plan, extra: float) -> Profile:
     return replace(profile, blocks=blocks, outside=outside)
 
 
-def probe_offload(found: Plan, budget_bytes: int, accept: int, measure: Callable[[Plan], Any],
+def probe_offload(found: Plan, accept: int, measure: Callable[[Plan], Any],
                   solve_unverified: Callable[[Profile], Plan]) -> Plan:
     """``found`` (verified) or, where measured faster, the plan that free copies give (module
     docstring). ``accept``: the most a verification may see (the budget less its headroom);
