@@ -31,8 +31,8 @@ without these charges the planner took the first in most processes and the secon
 (alone, that block's operators ran 1.11-1.23x keep's ratio to their least, and its backward waited
 7-8 ms). Under load the slowdown is noise (0.91-1.09x with two cores kept busy), and plans there can
 still differ from an idle machine's. On another machine (or the same one's virtual disk hours
-later) a step of offloaded blocks ran far below these charges, so a verified plan is compared with the
-plan that free copies would give on one measured step (``probe.py``).
+later) a step of offloaded blocks ran far below these charges; ``probe.py`` compares a verified plan
+with the plan that free copies would give on one measured step (not yet enabled: see there).
 """
 
 from __future__ import annotations

@@ -877,10 +877,9 @@ class PlanSession:
                 try:
                     if counted_over:
                         raise self._count_refusal  # type: ignore[misc]
-                    # ranks that solve together probe nothing: each would measure its own step
+                    # no offload probe yet (probe.py): what its step leaves resident is not charged
                     result = solve_within(profile, max(1, limit - reserve) if reserve else limit,
-                                          measure if self.verify else None, retries=self.retries, overhead=overhead,
-                                          probe=not self._agreed())
+                                          measure if self.verify else None, retries=self.retries, overhead=overhead)
                 except BudgetTooSmall as error:
                     refusal.too_small(error, counted_over)
                     raise
